@@ -1,0 +1,183 @@
+"""Dtype policy and scalar conversions shared by the CPU and GPU kernels.
+
+The one numerics spec of numba_fused:
+
+* x, dy, y may be float32, float64, float16 or bfloat16 (``ml_dtypes.bfloat16``);
+  weight/bias are x's dtype or float32.
+* Every value is widened to the *accumulator* type on load (float64 for float64,
+  float32 for everything else), all arithmetic and reductions run in it, and the
+  result is rounded to the output dtype once, at the store (``narrow``).
+* Saved statistics (mean, rstd) are stored in the accumulator type.
+
+numba cannot load float16 or bfloat16 arrays, so kernels see *storage* views:
+float16 travels as int16 bits and bfloat16 as uint16 bits. The storage type alone
+tells a kernel which conversion to apply, so one kernel body serves every dtype
+(numba compiles one specialization per storage type).
+
+The conversions are LLVM intrinsics, not table look-ups, so they vectorize
+(``vcvtph2ps`` with F16C; bf16 is a 16-bit shift) and are bit-exact with NumPy and
+ml_dtypes: subnormals, +-inf, NaN, round to nearest even.
+"""
+import numpy as np
+import ml_dtypes
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+float16 = np.dtype(np.float16)
+float32 = np.dtype(np.float32)
+float64 = np.dtype(np.float64)
+
+#: dtypes accepted for x/dy/y, in the order the benchmark and docs list them.
+SUPPORTED = (float32, float64, float16, bfloat16)
+
+_STORAGE = {float32: float32, float64: float64,
+            float16: np.dtype(np.int16), bfloat16: np.dtype(np.uint16)}
+
+
+def storage_dtype(dtype):
+    """The dtype a kernel sees for a logical dtype (halves as integer bits)."""
+    return _STORAGE[np.dtype(dtype)]
+
+
+def acc_dtype(dtype):
+    """Accumulator (and statistics) dtype: float64 for float64, else float32."""
+    return float64 if np.dtype(dtype) == float64 else float32
+
+
+def to_storage(a):
+    """View a float16/bfloat16 array as its integer bits; other dtypes unchanged."""
+    st = _STORAGE[a.dtype]
+    return a if st == a.dtype else a.view(st)
+
+
+def from_storage(a, dtype):
+    """Inverse of ``to_storage``."""
+    dtype = np.dtype(dtype)
+    return a if a.dtype == dtype else a.view(dtype)
+
+
+# ---------------------------------------------------------------- intrinsics
+_i16, _i32, _i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_f32, _f64 = ir.FloatType(), ir.DoubleType()
+
+
+@intrinsic
+def f16_bits_to_f32(typingctx, bits):
+    """float16 bits (int16) -> float32, exact (LLVM fpext half)."""
+    if bits != types.int16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _f32)
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def f32_to_f16_bits(typingctx, value):
+    """float32 -> float16 bits (int16), round to nearest even (LLVM fptrunc)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _i16)
+    return types.int16(types.float32), codegen
+
+
+@intrinsic
+def bf16_bits_to_f32(typingctx, bits):
+    """bfloat16 bits (uint16) -> float32: the bits are the float32's top half."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        wide = builder.shl(builder.zext(args[0], _i32), ir.Constant(_i32, 16))
+        return builder.bitcast(wide, _f32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def f32_to_bf16_bits(typingctx, value):
+    """float32 -> bfloat16 bits (uint16), round to nearest even; NaN stays a quiet NaN."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        bits = builder.bitcast(args[0], _i32)
+        c16 = ir.Constant(_i32, 16)
+        lsb = builder.and_(builder.lshr(bits, c16), ir.Constant(_i32, 1))
+        rounded = builder.lshr(
+            builder.add(builder.add(bits, ir.Constant(_i32, 0x7FFF)), lsb), c16)
+        quiet_nan = builder.or_(builder.lshr(bits, c16), ir.Constant(_i32, 0x40))
+        isnan = builder.fcmp_unordered('uno', args[0], args[0])
+        return builder.trunc(builder.select(isnan, quiet_nan, rounded), _i16)
+    return types.uint16(types.float32), codegen
+
+
+def _bitcast(src_ty, dst_ty, llvm_dst):
+    @intrinsic
+    def cast(typingctx, value):
+        if value != src_ty:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], llvm_dst)
+        return dst_ty(src_ty), codegen
+    return cast
+
+
+f32_as_i32 = _bitcast(types.float32, types.int32, _i32)
+i32_as_f32 = _bitcast(types.int32, types.float32, _f32)
+f64_as_i64 = _bitcast(types.float64, types.int64, _i64)
+i64_as_f64 = _bitcast(types.int64, types.float64, _f64)
+
+
+# --------------------------------------------------- generic load/store/const
+def widen(value):
+    """Storage element -> accumulator type (float32, or float64 for float64)."""
+    raise NotImplementedError  # only callable from jitted code
+
+
+def narrow(value, out):
+    """Accumulator value -> an element of ``out``'s storage type (the one rounding)."""
+    raise NotImplementedError
+
+
+def acc(arr, value):
+    """``value`` as the accumulator type of ``arr``'s storage type."""
+    raise NotImplementedError
+
+
+_WIDEN = {types.int16: f16_bits_to_f32, types.uint16: bf16_bits_to_f32}
+
+
+@overload(widen, target='generic')
+def _widen(value):
+    if value in _WIDEN:
+        conv = _WIDEN[value]
+        return lambda value: conv(value)
+    if value in (types.float32, types.float64):
+        return lambda value: value
+    return None
+
+
+@overload(narrow, target='generic')
+def _narrow(value, out):
+    dt = out.dtype
+    if dt == types.int16:
+        return lambda value, out: f32_to_f16_bits(np.float32(value))
+    if dt == types.uint16:
+        return lambda value, out: f32_to_bf16_bits(np.float32(value))
+    if dt == types.float32:
+        return lambda value, out: np.float32(value)
+    if dt == types.float64:
+        return lambda value, out: np.float64(value)
+    return None
+
+
+@overload(acc, target='generic')
+def _acc(arr, value):
+    if arr.dtype == types.float64:
+        return lambda arr, value: np.float64(value)
+    return lambda arr, value: np.float32(value)
