@@ -1,0 +1,427 @@
+"""The public functions: argument checks, layout normalization, kernel choice.
+
+Every check runs before any kernel, and every failure is a ``TypeError`` (wrong
+kind of thing: not an array, unsupported dtype) or a ``ValueError`` (right kind,
+wrong value: shape, eps, read-only or aliasing ``out``) whose message starts with
+the argument's name.
+
+Where the data lives picks the backend: NumPy arrays run the CPU kernels
+(``cpu.py``); objects exposing ``__cuda_array_interface__`` run the CUDA kernels
+(``gpu.py``). A *context* object hides the difference: it wraps arrays, allocates
+outputs and produces the kernel views. Both backends implement the same six
+functions with the same argument order (see ``cpu.py``).
+"""
+import math
+import numbers
+
+import numpy as np
+
+from . import _dtypes as D
+
+_DTYPE_NAMES = "float32, float64, float16 or bfloat16"
+
+
+# ------------------------------------------------------------------ contexts
+class HostContext:
+    """NumPy arrays on the CPU."""
+
+    name = "cpu"
+
+    @property
+    def kernels(self):
+        from . import cpu
+        return cpu
+
+    def wrap(self, obj, name, dtype=None):
+        if not isinstance(obj, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray or a CUDA array, "
+                            f"got {type(obj).__name__}")
+        if dtype is not None and np.dtype(dtype) != obj.dtype:
+            raise TypeError(f"dtype={np.dtype(dtype)} disagrees with {name}'s dtype "
+                            f"{obj.dtype}; dtype= only tags raw CUDA bit arrays")
+        return obj
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def full(self, shape, dtype, value):
+        return np.full(shape, value, dtype)
+
+    def storage(self, a):
+        return D.to_storage(a)
+
+    def contiguous(self, a):
+        return np.ascontiguousarray(a)
+
+    def reshape_view(self, a, shape):
+        """``a`` reshaped without a copy, or None where that needs one."""
+        try:
+            return np.reshape(a, shape, copy=False)
+        except ValueError:
+            return None
+
+    def overlaps(self, a, b):
+        return np.may_share_memory(a, b) and np.shares_memory(a, b)
+
+    def same_buffer(self, a, b):
+        return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+                and a.shape == b.shape and a.strides == b.strides)
+
+    def writeable(self, a):
+        return a.flags.writeable
+
+    def copy_into(self, dst, src):
+        dst[...] = src
+
+    def result(self, a):
+        return a
+
+    def check_stream(self, stream):
+        if stream is not None:
+            raise ValueError("stream must be None for NumPy (CPU) arrays")
+
+
+HOST = HostContext()
+
+
+def _is_device_array(obj):
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    # Simulator device arrays have no __cuda_array_interface__ (see NOTES-numba.md).
+    return type(obj).__name__ in ("FakeCUDAArray", "FakeCUDAArrayBase")
+
+
+def _context(named, stream):
+    """The context of a call's array arguments; host and device must not mix."""
+    present = [(n, a) for n, a in named if a is not None]
+    on_device = [n for n, a in present if _is_device_array(a)]
+    if not on_device:
+        ctx = HOST
+    else:
+        on_host = [n for n, a in present if not _is_device_array(a)]
+        if on_host:
+            raise TypeError(f"{on_host[0]} is a host array but {on_device[0]} is a CUDA "
+                            "array; pass all arrays on one device")
+        from . import gpu
+        ctx = gpu.DEVICE
+    ctx.check_stream(stream)
+    return ctx
+
+
+# -------------------------------------------------------------------- checks
+def _check_input(ctx, obj, name, dtype=None):
+    a = ctx.wrap(obj, name, dtype)
+    if a.dtype not in D.SUPPORTED:
+        raise TypeError(f"{name} has dtype {a.dtype}; expected {_DTYPE_NAMES}")
+    if a.ndim == 0:
+        raise ValueError(f"{name} must have at least one dimension, got a 0-d array")
+    return a
+
+
+def _check_like(ctx, obj, name, x, xname, dtype):
+    a = _check_input(ctx, obj, name, dtype)
+    if a.dtype != x.dtype:
+        raise TypeError(f"{name} has dtype {a.dtype}; expected {xname}'s dtype {x.dtype}")
+    if a.shape != x.shape:
+        raise ValueError(f"{name} has shape {a.shape}; expected {xname}'s shape {x.shape}")
+    return a
+
+
+def _check_param(ctx, obj, name, x):
+    if obj is None:
+        return None
+    a = ctx.wrap(obj, name)
+    if a.dtype not in (x.dtype, D.float32):
+        raise TypeError(f"{name} has dtype {a.dtype}; expected x's dtype {x.dtype} "
+                        "or float32")
+    if a.shape != x.shape[-1:]:
+        raise ValueError(f"{name} has shape {a.shape}; expected ({x.shape[-1]},), "
+                         "the length of x's last axis")
+    return a
+
+
+def _check_stats(ctx, obj, name, x):
+    a = ctx.wrap(obj, name)
+    want = D.acc_dtype(x.dtype)
+    if a.dtype != want:
+        raise TypeError(f"{name} has dtype {a.dtype}; expected {want} (the statistics "
+                        f"dtype for {x.dtype} inputs)")
+    if a.shape != x.shape[:-1]:
+        raise ValueError(f"{name} has shape {a.shape}; expected {x.shape[:-1]} "
+                         "(x's shape without its last axis)")
+    return a
+
+
+def _check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return eps
+
+
+def _check_out(ctx, out, shape, dtype, inputs, may_be=None, tag=None):
+    """Validate ``out``; ``may_be`` names the one input ``out`` may be (in-place)."""
+    if out is None:
+        return None
+    a = ctx.wrap(out, "out", tag)
+    if a.dtype != dtype:
+        raise TypeError(f"out has dtype {a.dtype}; expected {dtype}")
+    if a.shape != shape:
+        raise ValueError(f"out has shape {a.shape}; expected {shape}")
+    if not ctx.writeable(a):
+        raise ValueError("out is read-only")
+    for name, arr in inputs:
+        if arr is None or not ctx.overlaps(a, arr):
+            continue
+        if name == may_be and ctx.same_buffer(a, arr):
+            continue
+        if name == may_be:
+            raise ValueError(f"out overlaps {name} without being {name} itself; pass "
+                             f"out={name} for an in-place result, or a separate buffer")
+        raise ValueError(f"out shares memory with {name}; only "
+                         + (f"{may_be} may be overwritten" if may_be else
+                            "a separate buffer is allowed"))
+    return a
+
+
+# ----------------------------------------------------------- kernel layouts
+def _rows_views(ctx, inputs, output):
+    """3-D (outer, inner, cols) storage views, unit last stride, of same-shaped
+    inputs and the output buffer; None inputs stay None.
+
+    One (outer, inner) split of the leading axes serves all arrays, so a flat row
+    index means the same row in each: x.transpose(1, 0, 2) needs no copy. An array
+    that fits no common split (last axis not unit-stride, leading axes that do not
+    collapse to two) is copied to C order, which fits every split; an ``out`` that
+    does not fit is swapped for a fresh buffer copied back at the end.
+    """
+    shape = output.array.shape
+    inputs = list(inputs)
+    views = _split_views(ctx, inputs + [output.array], shape)
+    if views is None:
+        inputs = [a if a is None or _split_views(ctx, [a], shape) else ctx.contiguous(a)
+                  for a in inputs]
+        views = _split_views(ctx, inputs + [output.array], shape)
+    if views is None:
+        output.detach()
+        views = _split_views(ctx, inputs + [output.array], shape)
+    if views is None:   # each input fits a split of its own, but not a common one
+        inputs = [None if a is None else ctx.contiguous(a) for a in inputs]
+        views = _split_views(ctx, inputs + [output.array], shape)
+    return [None if v is None else ctx.storage(v) for v in views]
+
+
+def _split_views(ctx, arrays, shape):
+    lead, cols = shape[:-1], shape[-1]
+    for s in range(len(lead) + 1):
+        new = (math.prod(lead[:s]), math.prod(lead[s:]), cols)
+        views = []
+        for a in arrays:
+            v = None if a is None else _unit_last_view(ctx, a, new, cols)
+            if a is not None and v is None:
+                break
+            views.append(v)
+        else:
+            return views
+    return None
+
+
+def _unit_last_view(ctx, a, new, cols):
+    if cols > 1 and a.strides[-1] != a.itemsize:
+        return None
+    return ctx.reshape_view(a, new)
+
+
+class _Output:
+    """A result buffer: the caller's ``out`` when the kernels can write it in
+    place, else a fresh C-order buffer copied into ``out`` at the end."""
+
+    def __init__(self, ctx, out, shape, dtype):
+        self.ctx, self.out = ctx, out
+        self.array = out if out is not None else ctx.empty(shape, dtype)
+
+    def detach(self):
+        if self.array is self.out:
+            self.array = self.ctx.empty(self.out.shape, self.out.dtype)
+
+    def finish(self):
+        if self.out is not None and self.array is not self.out:
+            self.ctx.copy_into(self.out, self.array)
+            return self.ctx.result(self.out)
+        return self.ctx.result(self.array)
+
+
+def _param_storage(ctx, p):
+    return None if p is None else ctx.storage(ctx.contiguous(p))
+
+
+def _stats_storage(ctx, s):
+    return ctx.reshape_view(ctx.contiguous(s), (-1,))
+
+
+# -------------------------------------------------------------------- softmax
+def softmax_fwd(x, *, out=None, dtype=None, stream=None):
+    """Softmax over the last axis: y = exp(x - max) / sum(exp(x - max)).
+
+    A row containing NaN, or +inf, or only -inf gives NaN; -inf entries of a
+    finite row give exactly 0.
+    """
+    ctx = _context([("x", x), ("out", out)], stream)
+    x = _check_input(ctx, x, "x", dtype)
+    out = _check_out(ctx, out, x.shape, x.dtype, [("x", x)], tag=dtype)
+    y = _Output(ctx, out, x.shape, x.dtype)
+    if x.size:
+        xv, yv = _rows_views(ctx, [x], y)
+        ctx.kernels.softmax_fwd(xv, yv, **_stream_kw(ctx, stream))
+    return y.finish()
+
+
+def softmax_bwd(y, dy, *, out=None, dtype=None, stream=None):
+    """Softmax backward from the forward's output: dx = y * (dy - sum(dy * y)).
+
+    ``out=dy`` overwrites dy with dx (bit-identical to a separate buffer).
+    """
+    ctx = _context([("y", y), ("dy", dy), ("out", out)], stream)
+    y = _check_input(ctx, y, "y", dtype)
+    dy = _check_like(ctx, dy, "dy", y, "y", dtype)
+    out = _check_out(ctx, out, y.shape, y.dtype, [("y", y), ("dy", dy)], may_be="dy", tag=dtype)
+    dx = _Output(ctx, out, y.shape, y.dtype)
+    if y.size:
+        yv, dyv, dxv = _rows_views(ctx, [y, dy], dx)
+        ctx.kernels.softmax_bwd(yv, dyv, dxv, **_stream_kw(ctx, stream))
+    return dx.finish()
+
+
+def softmax(x, *, out=None, dtype=None, stream=None):
+    """Softmax over the last axis (the forward's y)."""
+    return softmax_fwd(x, out=out, dtype=dtype, stream=stream)
+
+
+# -------------------------------------------------------------------- RMSNorm
+def rms_norm_fwd(x, weight=None, eps=1e-6, *, out=None, dtype=None, stream=None):
+    """RMSNorm over the last axis. Returns (y, rstd):
+    rstd = 1 / sqrt(mean(x**2) + eps); y = x * rstd * weight.
+    """
+    ctx = _context([("x", x), ("weight", weight), ("out", out)], stream)
+    x = _check_input(ctx, x, "x", dtype)
+    weight = _check_param(ctx, weight, "weight", x)
+    eps = _check_eps(eps)
+    out = _check_out(ctx, out, x.shape, x.dtype, [("x", x), ("weight", weight)], tag=dtype)
+    y = _Output(ctx, out, x.shape, x.dtype)
+    rstd = ctx.empty(x.shape[:-1], D.acc_dtype(x.dtype))
+    if x.size:
+        xv, yv = _rows_views(ctx, [x], y)
+        ctx.kernels.rms_norm_fwd(xv, _param_storage(ctx, weight), eps, yv,
+                                 _stats_storage(ctx, rstd), **_stream_kw(ctx, stream))
+    elif rstd.size:
+        rstd = ctx.full(rstd.shape, rstd.dtype, np.nan)   # mean of an empty row
+    return y.finish(), ctx.result(rstd)
+
+
+def rms_norm_bwd(dy, x, weight, rstd, *, out=None, dtype=None, stream=None):
+    """RMSNorm backward from the saved rstd. Returns (dx, dweight); with
+    xhat = x * rstd and g = dy * weight:
+    dx = rstd * (g - xhat * mean(g * xhat)); dweight = sum over rows of dy * xhat.
+    dweight is None exactly when weight is None. ``out=dy`` is allowed.
+    """
+    ctx = _context([("dy", dy), ("x", x), ("weight", weight), ("rstd", rstd),
+                    ("out", out)], stream)
+    x = _check_input(ctx, x, "x", dtype)
+    dy = _check_like(ctx, dy, "dy", x, "x", dtype)
+    weight = _check_param(ctx, weight, "weight", x)
+    rstd = _check_stats(ctx, rstd, "rstd", x)
+    out = _check_out(ctx, out, x.shape, x.dtype,
+                     [("dy", dy), ("x", x), ("weight", weight), ("rstd", rstd)],
+                     may_be="dy", tag=dtype)
+    dx = _Output(ctx, out, x.shape, x.dtype)
+    dweight = None if weight is None else ctx.zeros(weight.shape, weight.dtype)
+    if x.size:
+        dyv, xv, dxv = _rows_views(ctx, [dy, x], dx)
+        ctx.kernels.rms_norm_bwd(dyv, xv, _param_storage(ctx, weight),
+                                 _stats_storage(ctx, rstd), dxv,
+                                 None if dweight is None else ctx.storage(dweight),
+                                 **_stream_kw(ctx, stream))
+    return dx.finish(), None if dweight is None else ctx.result(dweight)
+
+
+def rms_norm(x, weight=None, eps=1e-6, *, out=None, dtype=None, stream=None):
+    """RMSNorm over the last axis (the forward's y only)."""
+    return rms_norm_fwd(x, weight, eps, out=out, dtype=dtype, stream=stream)[0]
+
+
+# ------------------------------------------------------------------ LayerNorm
+def layer_norm_fwd(x, weight=None, bias=None, eps=1e-5, *, out=None, dtype=None,
+                   stream=None):
+    """LayerNorm over the last axis. Returns (y, mean, rstd):
+    rstd = 1 / sqrt(var + eps) with the biased variance, computed two-pass;
+    y = (x - mean) * rstd * weight + bias.
+    """
+    ctx = _context([("x", x), ("weight", weight), ("bias", bias), ("out", out)], stream)
+    x = _check_input(ctx, x, "x", dtype)
+    weight = _check_param(ctx, weight, "weight", x)
+    bias = _check_param(ctx, bias, "bias", x)
+    eps = _check_eps(eps)
+    out = _check_out(ctx, out, x.shape, x.dtype,
+                     [("x", x), ("weight", weight), ("bias", bias)], tag=dtype)
+    y = _Output(ctx, out, x.shape, x.dtype)
+    mean = ctx.empty(x.shape[:-1], D.acc_dtype(x.dtype))
+    rstd = ctx.empty(x.shape[:-1], D.acc_dtype(x.dtype))
+    if x.size:
+        xv, yv = _rows_views(ctx, [x], y)
+        ctx.kernels.layer_norm_fwd(xv, _param_storage(ctx, weight),
+                                   _param_storage(ctx, bias), eps, yv,
+                                   _stats_storage(ctx, mean), _stats_storage(ctx, rstd),
+                                   **_stream_kw(ctx, stream))
+    elif rstd.size:
+        mean = ctx.full(mean.shape, mean.dtype, np.nan)
+        rstd = ctx.full(rstd.shape, rstd.dtype, np.nan)
+    return y.finish(), ctx.result(mean), ctx.result(rstd)
+
+
+def layer_norm_bwd(dy, x, weight, bias, mean, rstd, *, out=None, dtype=None,
+                   stream=None):
+    """LayerNorm backward from the saved mean and rstd. Returns (dx, dweight, dbias);
+    with xhat = (x - mean) * rstd and g = dy * weight:
+    dx = rstd * (g - xhat * mean(g * xhat) - mean(g));
+    dweight = sum over rows of dy * xhat; dbias = sum over rows of dy.
+    dweight/dbias are None exactly when weight/bias are None. ``out=dy`` is allowed.
+    """
+    ctx = _context([("dy", dy), ("x", x), ("weight", weight), ("bias", bias),
+                    ("mean", mean), ("rstd", rstd), ("out", out)], stream)
+    x = _check_input(ctx, x, "x", dtype)
+    dy = _check_like(ctx, dy, "dy", x, "x", dtype)
+    weight = _check_param(ctx, weight, "weight", x)
+    bias = _check_param(ctx, bias, "bias", x)
+    mean = _check_stats(ctx, mean, "mean", x)
+    rstd = _check_stats(ctx, rstd, "rstd", x)
+    out = _check_out(ctx, out, x.shape, x.dtype,
+                     [("dy", dy), ("x", x), ("weight", weight), ("bias", bias),
+                      ("mean", mean), ("rstd", rstd)], may_be="dy", tag=dtype)
+    dx = _Output(ctx, out, x.shape, x.dtype)
+    dweight = None if weight is None else ctx.zeros(weight.shape, weight.dtype)
+    dbias = None if bias is None else ctx.zeros(bias.shape, bias.dtype)
+    if x.size:
+        dyv, xv, dxv = _rows_views(ctx, [dy, x], dx)
+        ctx.kernels.layer_norm_bwd(dyv, xv, _param_storage(ctx, weight),
+                                   _stats_storage(ctx, mean), _stats_storage(ctx, rstd),
+                                   dxv,
+                                   None if dweight is None else ctx.storage(dweight),
+                                   None if dbias is None else ctx.storage(dbias),
+                                   **_stream_kw(ctx, stream))
+    return (dx.finish(), None if dweight is None else ctx.result(dweight),
+            None if dbias is None else ctx.result(dbias))
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5, *, out=None, dtype=None,
+               stream=None):
+    """LayerNorm over the last axis (the forward's y only)."""
+    return layer_norm_fwd(x, weight, bias, eps, out=out, dtype=dtype, stream=stream)[0]
+
+
+def _stream_kw(ctx, stream):
+    return {} if ctx is HOST else {"stream": stream}
