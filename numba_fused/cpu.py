@@ -1,0 +1,357 @@
+"""CPU kernels: softmax, RMSNorm and LayerNorm, forward and backward (numba).
+
+Backend contract (shared with ``gpu.py``; the dispatcher calls these):
+
+    softmax_fwd(x, y)                        softmax_bwd(y, dy, dx)
+    rms_norm_fwd(x, weight, eps, y, rstd)    rms_norm_bwd(dy, x, weight, rstd, dx, dweight)
+    layer_norm_fwd(x, weight, bias, eps, y, mean, rstd)
+    layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias)
+
+x, y, dy, dx are 3-D (outer, inner, cols) storage views with unit last stride
+(float16 as int16 bits, bfloat16 as uint16 bits; see ``_dtypes``); a flat row
+index r means row (r // inner, r % inner) in each. weight/bias: 1-D or None.
+mean/rstd: 1-D (rows,) in the accumulator type. dweight/dbias: (cols,) outputs in
+the parameter's storage type, or None. dx may be dy (in-place backward).
+
+Each op is one row function, written once for every dtype: ``widen`` loads into
+the accumulator type, ``narrow`` rounds once at the store. Row drivers exist in a
+parallel build (prange over rows) and a serial one for small calls, where a
+parallel launch costs more than the work.
+
+dweight/dbias: rows are split into a fixed number of chunks that depends only on
+(rows, cols), each chunk accumulates its own partial row in the accumulator type,
+and the partials are summed in chunk order: the same bits on every run and for
+every thread count, no atomics.
+"""
+import time
+
+import numpy as np
+from numba import njit, prange
+from numba.extending import overload
+
+from ._dtypes import acc, narrow, widen
+from ._expm import fexp
+
+# Reassociation lets LLVM vectorize the reductions; no nnan/ninf, which would
+# break -inf masking and NaN propagation.
+FLAGS = frozenset({'nsz', 'arcp', 'contract', 'afn', 'reassoc'})
+_ROW_OPTS = dict(fastmath=set(FLAGS), cache=True, nogil=True, error_model='numpy')
+_row = njit(**_ROW_OPTS)
+
+#: calls with fewer elements than this run the serial kernels
+SERIAL_BELOW = 1 << 15
+#: at most this many dweight/dbias partial rows, and at most _PARTIAL_ELEMS floats
+MAX_CHUNKS = 32
+_PARTIAL_ELEMS = 1 << 21
+
+
+# ------------------------------------------------------------------ softmax
+@_row
+def _softmax_fwd_row(x, y):
+    """y = exp(x - m) / sum(exp(x - m)), m = max(x).
+
+    The max ignores NaN; a NaN then poisons the sum and so the whole row. A row
+    of all -inf has m = -inf and x - m = NaN, as in torch.
+    """
+    cols = x.shape[0]
+    m = acc(x, -np.inf)
+    for c in range(cols):
+        v = widen(x[c])
+        m = v if v > m else m
+    s = acc(x, 0.0)
+    for c in range(cols):
+        s += fexp(widen(x[c]) - m)
+    inv = acc(x, 1.0) / s
+    for c in range(cols):
+        y[c] = narrow(fexp(widen(x[c]) - m) * inv, y)
+
+
+@_row
+def _softmax_bwd_row(y, dy, dx):
+    """dx = y * (dy - sum(dy * y))."""
+    cols = y.shape[0]
+    dot = acc(y, 0.0)
+    for c in range(cols):
+        dot += widen(dy[c]) * widen(y[c])
+    for c in range(cols):
+        dx[c] = narrow(widen(y[c]) * (widen(dy[c]) - dot), dx)
+
+
+# ------------------------------------------------------------------ RMSNorm
+@_row
+def _rms_norm_fwd_row(x, weight, eps, y):
+    """rstd = 1 / sqrt(mean(x**2) + eps); y = x * rstd * weight. Returns rstd."""
+    cols = x.shape[0]
+    ss = acc(x, 0.0)
+    for c in range(cols):
+        v = widen(x[c])
+        ss += v * v
+    rstd = acc(x, 1.0) / np.sqrt(ss / acc(x, cols) + acc(x, eps))
+    for c in range(cols):
+        v = widen(x[c]) * rstd
+        if weight is not None:
+            v = v * widen(weight[c])
+        y[c] = narrow(v, y)
+    return rstd
+
+
+@_row
+def _rms_norm_bwd_row(dy, x, weight, rstd, dx, dweight):
+    """With xhat = x * rstd, g = dy * weight:
+    dx = rstd * (g - xhat * mean(g * xhat)); dweight += dy * xhat."""
+    cols = x.shape[0]
+    rstd = acc(x, rstd)
+    dot = acc(x, 0.0)
+    for c in range(cols):
+        g = widen(dy[c])
+        if weight is not None:
+            g = g * widen(weight[c])
+        dot += g * widen(x[c])
+    dot = dot * rstd / acc(x, cols)
+    for c in range(cols):
+        d = widen(dy[c])
+        xhat = widen(x[c]) * rstd
+        g = d
+        if weight is not None:
+            g = d * widen(weight[c])
+        if dweight is not None:
+            dweight[c] += d * xhat
+        dx[c] = narrow(rstd * (g - xhat * dot), dx)
+
+
+# ---------------------------------------------------------------- LayerNorm
+@_row
+def _layer_norm_fwd_row(x, weight, bias, eps, y):
+    """Two-pass mean and biased variance (the row is in cache for the second
+    pass; E[x^2] - mean^2 cancels catastrophically). rstd = 1 / sqrt(var + eps);
+    y = (x - mean) * rstd * weight + bias. Returns (mean, rstd)."""
+    cols = x.shape[0]
+    inv_cols = acc(x, 1.0) / acc(x, cols)
+    s = acc(x, 0.0)
+    for c in range(cols):
+        s += widen(x[c])
+    mean = s * inv_cols
+    ss = acc(x, 0.0)
+    for c in range(cols):
+        d = widen(x[c]) - mean
+        ss += d * d
+    rstd = acc(x, 1.0) / np.sqrt(ss * inv_cols + acc(x, eps))
+    for c in range(cols):
+        v = (widen(x[c]) - mean) * rstd
+        if weight is not None:
+            v = v * widen(weight[c])
+        if bias is not None:
+            v = v + widen(bias[c])
+        y[c] = narrow(v, y)
+    return mean, rstd
+
+
+@_row
+def _layer_norm_bwd_row(dy, x, weight, mean, rstd, dx, dweight, dbias):
+    """With xhat = (x - mean) * rstd, g = dy * weight:
+    dx = rstd * (g - xhat * mean(g * xhat) - mean(g));
+    dweight += dy * xhat; dbias += dy."""
+    cols = x.shape[0]
+    mean, rstd = acc(x, mean), acc(x, rstd)
+    inv_cols = acc(x, 1.0) / acc(x, cols)
+    dot = acc(x, 0.0)
+    gsum = acc(x, 0.0)
+    for c in range(cols):
+        g = widen(dy[c])
+        if weight is not None:
+            g = g * widen(weight[c])
+        dot += g * ((widen(x[c]) - mean) * rstd)
+        gsum += g
+    dot = dot * inv_cols
+    gmean = gsum * inv_cols
+    for c in range(cols):
+        d = widen(dy[c])
+        xhat = (widen(x[c]) - mean) * rstd
+        g = d
+        if weight is not None:
+            g = d * widen(weight[c])
+        if dweight is not None:
+            dweight[c] += d * xhat
+        if dbias is not None:
+            dbias[c] += d
+        dx[c] = narrow(rstd * (g - xhat * dot - gmean), dx)
+
+
+# ------------------------------------------------------------------ drivers
+def _row_of(a, k):
+    raise NotImplementedError
+
+
+@overload(_row_of)
+def _row_of_impl(a, k):
+    from numba import types
+    if isinstance(a, types.NoneType):
+        return lambda a, k: None
+    return lambda a, k: a[k]
+
+
+@njit(cache=True, nogil=True)
+def _sum_partials(partials, out):
+    """out[c] = sum over chunks, in chunk order (deterministic), rounded once."""
+    for c in range(partials.shape[1]):
+        s = partials[0, c]
+        for k in range(1, partials.shape[0]):
+            s += partials[k, c]
+        out[c] = narrow(s, out)
+
+
+def _build(loop):
+    """Row drivers iterating with ``loop``: prange (parallel build) or range.
+
+    ``loop`` is referenced in every body on purpose: numba's cache key hashes
+    the closure cells, so the two builds get distinct cache entries.
+    """
+    opts = dict(parallel=loop is prange, cache=True, nogil=True)
+
+    @njit(**opts)
+    def softmax_fwd(x, y):
+        inner = x.shape[1]
+        for r in loop(x.shape[0] * inner):
+            o, i = r // inner, r % inner
+            _softmax_fwd_row(x[o, i], y[o, i])
+
+    @njit(**opts)
+    def softmax_bwd(y, dy, dx):
+        inner = y.shape[1]
+        for r in loop(y.shape[0] * inner):
+            o, i = r // inner, r % inner
+            _softmax_bwd_row(y[o, i], dy[o, i], dx[o, i])
+
+    @njit(**opts)
+    def rms_norm_fwd(x, weight, eps, y, rstd):
+        inner = x.shape[1]
+        for r in loop(x.shape[0] * inner):
+            o, i = r // inner, r % inner
+            rstd[r] = _rms_norm_fwd_row(x[o, i], weight, eps, y[o, i])
+
+    @njit(**opts)
+    def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
+        inner = x.shape[1]
+        for r in loop(x.shape[0] * inner):
+            o, i = r // inner, r % inner
+            mean[r], rstd[r] = _layer_norm_fwd_row(x[o, i], weight, bias, eps, y[o, i])
+
+    @njit(**opts)
+    def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks):
+        inner = x.shape[1]
+        rows = x.shape[0] * inner
+        for k in loop(chunks):
+            part = _row_of(dweight_parts, k)
+            for r in range(k * rows // chunks, (k + 1) * rows // chunks):
+                o, i = r // inner, r % inner
+                _rms_norm_bwd_row(dy[o, i], x[o, i], weight, rstd[r], dx[o, i], part)
+
+    @njit(**opts)
+    def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
+                       chunks):
+        inner = x.shape[1]
+        rows = x.shape[0] * inner
+        for k in loop(chunks):
+            wpart = _row_of(dweight_parts, k)
+            bpart = _row_of(dbias_parts, k)
+            for r in range(k * rows // chunks, (k + 1) * rows // chunks):
+                o, i = r // inner, r % inner
+                _layer_norm_bwd_row(dy[o, i], x[o, i], weight, mean[r], rstd[r],
+                                    dx[o, i], wpart, bpart)
+
+    return dict(softmax_fwd=softmax_fwd, softmax_bwd=softmax_bwd,
+                rms_norm_fwd=rms_norm_fwd, rms_norm_bwd=rms_norm_bwd,
+                layer_norm_fwd=layer_norm_fwd, layer_norm_bwd=layer_norm_bwd)
+
+
+PARALLEL = _build(prange)
+SERIAL = _build(range)
+
+
+def _pick(name, x):
+    return (SERIAL if x.size < SERIAL_BELOW else PARALLEL)[name]
+
+
+def param_chunks(rows, cols):
+    """Number of dweight/dbias partial rows: a function of the shape only."""
+    return max(1, min(rows, MAX_CHUNKS, _PARTIAL_ELEMS // max(cols, 1)))
+
+
+def _partials(out, rows, acc_dtype):
+    if out is None:
+        return None
+    return np.zeros((param_chunks(rows, out.shape[0]), out.shape[0]), acc_dtype)
+
+
+def _acc_dtype(x):
+    return np.float64 if x.dtype == np.float64 else np.float32
+
+
+# ----------------------------------------------------------- backend entry
+def softmax_fwd(x, y):
+    _pick("softmax_fwd", x)(x, y)
+
+
+def softmax_bwd(y, dy, dx):
+    _pick("softmax_bwd", y)(y, dy, dx)
+
+
+def rms_norm_fwd(x, weight, eps, y, rstd):
+    _pick("rms_norm_fwd", x)(x, weight, eps, y, rstd)
+
+
+def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
+    _pick("layer_norm_fwd", x)(x, weight, bias, eps, y, mean, rstd)
+
+
+def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
+    rows = x.shape[0] * x.shape[1]
+    parts = _partials(dweight, rows, _acc_dtype(x))
+    chunks = rows if parts is None else parts.shape[0]
+    _pick("rms_norm_bwd", x)(dy, x, weight, rstd, dx, parts, chunks)
+    if parts is not None:
+        _sum_partials(parts, dweight)
+
+
+def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
+    rows = x.shape[0] * x.shape[1]
+    wparts = _partials(dweight, rows, _acc_dtype(x))
+    bparts = _partials(dbias, rows, _acc_dtype(x))
+    some = wparts if wparts is not None else bparts
+    chunks = rows if some is None else some.shape[0]
+    _pick("layer_norm_bwd", x)(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks)
+    for parts, out in ((wparts, dweight), (bparts, dbias)):
+        if parts is not None:
+            _sum_partials(parts, out)
+
+
+def warmup(dtypes=None, verbose=False):
+    """Compile (or load from the on-disk cache) every CPU kernel for every dtype,
+    parameter dtype and layout the dispatcher produces for contiguous inputs.
+    Returns {"op/direction/dtype/param-dtype": seconds}."""
+    import numba_fused as nf
+    from . import _dtypes as D
+    timings = {}
+    for dtype in dtypes or D.SUPPORTED:
+        dtype = np.dtype(dtype)
+        rng = np.random.default_rng(0)
+        for rows in (1, 64):     # serial and parallel builds
+            shape = (rows, SERIAL_BELOW // rows + 1 if rows > 1 else 8)
+            x = rng.standard_normal(shape).astype(dtype)
+            dy = rng.standard_normal(shape).astype(dtype)
+            for pdt in {dtype, D.float32}:
+                w = np.ones(shape[-1], pdt)
+                key = f"{dtype}/{pdt}/{'serial' if rows == 1 else 'parallel'}"
+                t0 = time.perf_counter()
+                y = nf.softmax_fwd(x)
+                nf.softmax_bwd(y, dy)
+                for weight in (None, w):
+                    y, rstd = nf.rms_norm_fwd(x, weight)
+                    nf.rms_norm_bwd(dy, x, weight, rstd)
+                    for bias in (None, w):
+                        y, mean, rstd = nf.layer_norm_fwd(x, weight, bias)
+                        nf.layer_norm_bwd(dy, x, weight, bias, mean, rstd)
+                timings[key] = time.perf_counter() - t0
+                if verbose:
+                    print(f"  {key}: {timings[key]:.2f} s")
+    return timings
