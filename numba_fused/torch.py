@@ -1,0 +1,444 @@
+"""PyTorch integration: differentiable ``softmax``, ``rms_norm`` and ``layer_norm``,
+and drop-in ``RMSNorm`` / ``LayerNorm`` modules, running numba_fused's kernels.
+
+    import numba_fused.torch as nft
+    y = nft.softmax(scores, dim=-1)
+    norm = nft.RMSNorm(512)              # a torch.nn.RMSNorm (subclass)
+
+The kernels are ``torch.library`` custom ops (namespace ``numba_fused``) with fake
+(meta) implementations and registered autograd, so ``torch.compile(fullgraph=True)``
+traces through them and AOTAutograd sees the backward ops too:
+
+    numba_fused::softmax_fwd(x) -> y
+    numba_fused::softmax_bwd(y, dy) -> dx
+    numba_fused::rms_norm_fwd(x, weight?, eps) -> (y, rstd)
+    numba_fused::rms_norm_bwd(dy, x, weight?, rstd, need_dweight) -> (dx, dweight)
+    numba_fused::layer_norm_fwd(x, weight?, bias?, eps) -> (y, mean, rstd)
+    numba_fused::layer_norm_bwd(dy, x, weight?, mean, rstd, need_dweight, need_dbias)
+        -> (dx, dweight, dbias)
+
+Data movement. CPU tensors reach the kernels as zero-copy NumPy views (bfloat16
+through an int16 view re-viewed as ``ml_dtypes.bfloat16``); strided tensors keep
+their strides (the library copies only where the last axis is not unit-stride).
+CUDA tensors go through ``__cuda_array_interface__`` on torch's current stream
+(bfloat16 as an int16 view plus ``dtype="bfloat16"``). Outputs y/dx are allocated
+by torch (so CUDA outputs come from torch's caching allocator) and are always
+contiguous; the statistics come back from the library zero-copy.
+
+Numerics follow numba_fused: float32 accumulation (float64 for float64 inputs),
+one rounding at the store; statistics in float32 (float64 for float64 inputs).
+The output dtype is x's dtype (torch would type-promote x with a float32 weight).
+
+What autograd saves: softmax saves y only; rms_norm saves x, weight and rstd;
+layer_norm saves x, weight, mean and rstd (never bias: dbias needs only dy). When
+bias needs no gradient, no dbias is computed; when weight needs no gradient dweight
+is dropped, but the library's fused backward computes it in the same pass as dx
+(dx needs weight), so that saves no kernel work.
+
+Not supported: double backward (the backward ops have no autograd), autocast
+(the ops run in the dtype they are given).
+"""
+import numbers
+
+import numpy as np
+import ml_dtypes
+import torch   # absolute import: the real PyTorch, not this module
+
+from . import _dispatch as _F
+
+__all__ = ["softmax", "rms_norm", "layer_norm", "RMSNorm", "LayerNorm"]
+
+Tensor = torch.Tensor
+_BF16_NP = np.dtype(ml_dtypes.bfloat16)
+_SUPPORTED = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+# ------------------------------------------------------------ data movement
+def _check_dtype(t, name):
+    if t.dtype not in _SUPPORTED:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float32, "
+                        "torch.float64, torch.float16 or torch.bfloat16")
+
+
+def _np(t):
+    """A CPU tensor as a NumPy array sharing its memory and strides."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_BF16_NP)
+    return t.numpy()
+
+
+def _from_np(a):
+    """A NumPy array (from the library) as a tensor sharing its memory."""
+    if a.dtype == _BF16_NP:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Cuda:
+    """Hands CUDA tensors to the GPU backend on torch's current stream."""
+
+    def __init__(self, x):
+        from numba import cuda            # only CUDA users import numba.cuda
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        self.device = x.device
+        self.gpu = cuda.gpus[index]
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        self.kw = {"stream": cuda.external_stream(stream)}
+        if x.dtype == torch.bfloat16:
+            self.kw["dtype"] = "bfloat16"
+
+    def __enter__(self):
+        self.gpu.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.gpu.__exit__(*exc)
+
+    @staticmethod
+    def arr(t):
+        """x-like tensor (x, y, dy, out) for the kernels: bf16 as int16 bits."""
+        if t is None:
+            return None
+        t = t.detach()
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            t = t.contiguous()            # copy with torch, on torch's stream
+        return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+    @staticmethod
+    def param(t):
+        """weight/bias: bf16 goes as float32 (the contract allows x's dtype or f32)."""
+        if t is None:
+            return None
+        t = t.detach()
+        return t.float() if t.dtype == torch.bfloat16 else t.contiguous()
+
+    def back(self, a, dtype=None):
+        """A library device array as a tensor (zero-copy), optionally cast."""
+        if a is None:
+            return None
+        t = torch.as_tensor(a, device=self.device)
+        return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def _none_to_empty(t, like):
+    return like.new_empty((0,)) if t is None else t
+
+
+# ------------------------------------------------------------------ softmax ops
+@torch.library.custom_op("numba_fused::softmax_fwd", mutates_args=())
+def _softmax_fwd(x: Tensor) -> Tensor:
+    _check_dtype(x, "x")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.device.type == "cpu":
+        _F.softmax_fwd(_np(x), out=_np(y))
+    else:
+        with _Cuda(x) as c:
+            _F.softmax_fwd(c.arr(x), out=c.arr(y), **c.kw)
+    return y
+
+
+@_softmax_fwd.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("numba_fused::softmax_bwd", mutates_args=())
+def _softmax_bwd(y: Tensor, dy: Tensor) -> Tensor:
+    _check_dtype(y, "y")
+    dy = dy.to(y.dtype)
+    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    if y.device.type == "cpu":
+        _F.softmax_bwd(_np(y), _np(dy), out=_np(dx))
+    else:
+        with _Cuda(y) as c:
+            _F.softmax_bwd(c.arr(y), c.arr(dy), out=c.arr(dx), **c.kw)
+    return dx
+
+
+@_softmax_bwd.register_fake
+def _(y, dy):
+    return y.new_empty(y.shape)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, grad):
+    (y,) = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None
+    return _softmax_bwd(y, grad)
+
+
+_softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+
+
+# ------------------------------------------------------------------ RMSNorm ops
+@torch.library.custom_op("numba_fused::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    _check_dtype(x, "x")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.device.type == "cpu":
+        _, rstd = _F.rms_norm_fwd(_np(x), None if weight is None else _np(weight), eps,
+                                  out=_np(y))
+        return y, _from_np(rstd)
+    with _Cuda(x) as c:
+        _, rstd = _F.rms_norm_fwd(c.arr(x), c.param(weight), eps, out=c.arr(y), **c.kw)
+        return y, c.back(rstd)
+
+
+@_rms_norm_fwd.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=_acc_dtype(x.dtype))
+
+
+@torch.library.custom_op("numba_fused::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor,
+                  need_dweight: bool) -> tuple[Tensor, Tensor]:
+    dy = dy.to(x.dtype)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.device.type == "cpu":
+        _, dw = _F.rms_norm_bwd(_np(dy), _np(x), None if weight is None else _np(weight),
+                                _np(rstd), out=_np(dx))
+        dw = None if dw is None else _from_np(dw)
+    else:
+        with _Cuda(x) as c:
+            _, dw = _F.rms_norm_bwd(c.arr(dy), c.arr(x), c.param(weight), rstd.detach(),
+                                    out=c.arr(dx), **c.kw)
+            dw = None if dw is None else c.back(dw, weight.dtype)
+    if not need_dweight:
+        dw = None
+    return dx, _none_to_empty(dw, x)
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd, need_dweight):
+    dw = weight.new_empty(weight.shape) if weight is not None and need_dweight \
+        else x.new_empty((0,))
+    return x.new_empty(x.shape), dw
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_backward(ctx, grad_y, grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_dx or need_dw):
+        return None, None, None
+    dx, dw = _rms_norm_bwd(grad_y, x, weight, rstd, bool(need_dw and weight is not None))
+    return (dx if need_dx else None), (dw if need_dw else None), None
+
+
+_rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+# ---------------------------------------------------------------- LayerNorm ops
+@torch.library.custom_op("numba_fused::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    _check_dtype(x, "x")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.device.type == "cpu":
+        _, mean, rstd = _F.layer_norm_fwd(_np(x), None if weight is None else _np(weight),
+                                          None if bias is None else _np(bias), eps,
+                                          out=_np(y))
+        return y, _from_np(mean), _from_np(rstd)
+    with _Cuda(x) as c:
+        _, mean, rstd = _F.layer_norm_fwd(c.arr(x), c.param(weight), c.param(bias), eps,
+                                          out=c.arr(y), **c.kw)
+        return y, c.back(mean), c.back(rstd)
+
+
+@_layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    acc = _acc_dtype(x.dtype)
+    return (x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=acc),
+            x.new_empty(x.shape[:-1], dtype=acc))
+
+
+@torch.library.custom_op("numba_fused::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
+                    rstd: Tensor, need_dweight: bool,
+                    need_dbias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dbias comes back in the accumulator dtype (float32, float64 for float64 x):
+    bias is not saved, so a stand-in of that dtype (allowed for any x) selects it."""
+    dy = dy.to(x.dtype)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    acc = _acc_dtype(x.dtype)
+    n = x.shape[-1]
+    if x.device.type == "cpu":
+        stand_in = np.empty((n,), np.float64 if acc == torch.float64 else np.float32) \
+            if need_dbias else None
+        _, dw, db = _F.layer_norm_bwd(_np(dy), _np(x),
+                                      None if weight is None else _np(weight), stand_in,
+                                      _np(mean), _np(rstd), out=_np(dx))
+        dw = None if dw is None else _from_np(dw)
+        db = None if db is None else _from_np(db)
+    else:
+        with _Cuda(x) as c:
+            stand_in = torch.empty((n,), dtype=acc, device=x.device) if need_dbias else None
+            _, dw, db = _F.layer_norm_bwd(c.arr(dy), c.arr(x), c.param(weight), stand_in,
+                                          mean.detach(), rstd.detach(), out=c.arr(dx),
+                                          **c.kw)
+            dw = None if dw is None else c.back(dw, weight.dtype)
+            db = c.back(db)
+    if not need_dweight:
+        dw = None
+    return dx, _none_to_empty(dw, x), _none_to_empty(db, x)
+
+
+@_layer_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, need_dweight, need_dbias):
+    dw = weight.new_empty(weight.shape) if weight is not None and need_dweight \
+        else x.new_empty((0,))
+    db = x.new_empty(x.shape[-1:], dtype=_acc_dtype(x.dtype)) if need_dbias \
+        else x.new_empty((0,))
+    return x.new_empty(x.shape), dw, db
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(x, weight, mean, rstd)
+
+
+def _layer_norm_backward(ctx, grad_y, grad_mean, grad_rstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    if not (need_dx or need_dw or need_db):
+        return None, None, None, None
+    dx, dw, db = _layer_norm_bwd(grad_y, x, weight, mean, rstd,
+                                 bool(need_dw and weight is not None),
+                                 bool(need_db and ctx.has_bias))
+    if need_db:
+        db = db.to(ctx.bias_dtype)
+    return (dx if need_dx else None), (dw if need_dw else None), \
+        (db if need_db else None), None
+
+
+_layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+# ---------------------------------------------------------------- functional
+def _param(p, x, name):
+    """weight/bias as the library takes them: x's dtype or float32 (cast otherwise,
+    differentiably, so the gradient comes back in the parameter's own dtype)."""
+    if p is None:
+        return None
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
+    if p.dtype in (x.dtype, torch.float32):
+        return p
+    return p.to(x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32)
+
+
+def _eps(eps, x):
+    if eps is None:                       # torch.nn.RMSNorm's eps=None convention
+        return float(torch.finfo(x.dtype).eps)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    return float(eps)
+
+
+def _check_x(x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_dtype(x, "x")
+
+
+def softmax(x, dim=-1):
+    """Softmax along ``dim`` (differentiable). For dim other than the last, the axis
+    is moved last (a copy) and the result moved back (a non-contiguous view)."""
+    _check_x(x)
+    if x.dim() == 0:
+        return _softmax_fwd(x.reshape(1)).reshape(())
+    dim = _dim(dim, x.dim())
+    if dim == x.dim() - 1:
+        return _softmax_fwd(x)
+    return _softmax_fwd(x.movedim(dim, -1)).movedim(-1, dim)
+
+
+def _dim(dim, ndim):
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dim {dim} out of range for a {ndim}-d tensor")
+    return dim % ndim
+
+
+def rms_norm(x, weight=None, eps=1e-6):
+    """RMSNorm over the last axis: x / sqrt(mean(x**2) + eps) * weight.
+    ``eps=None`` means torch.finfo(x.dtype).eps, as in torch.nn.RMSNorm."""
+    _check_x(x)
+    return _rms_norm_fwd(x, _param(weight, x, "weight"), _eps(eps, x))[0]
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5):
+    """LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias
+    (biased variance)."""
+    _check_x(x)
+    return _layer_norm_fwd(x, _param(weight, x, "weight"), _param(bias, x, "bias"),
+                           _eps(eps, x))[0]
+
+
+def _over_shape(fn, x, normalized_shape, params, eps):
+    """Apply a last-axis norm over the trailing ``normalized_shape`` dims by
+    flattening them (a view for contiguous x) and the parameters with them."""
+    _check_x(x)
+    k = len(normalized_shape)
+    if x.dim() < k or tuple(x.shape[x.dim() - k:]) != tuple(normalized_shape):
+        raise RuntimeError(f"Given normalized_shape={list(normalized_shape)}, expected "
+                           f"input with shape [*, {', '.join(map(str, normalized_shape))}]"
+                           f", but got input of size{list(x.shape)}")
+    if k == 1:
+        return fn(x, *params, eps=eps)
+    flat = [None if p is None else p.reshape(-1) for p in params]
+    return fn(x.flatten(x.dim() - k), *flat, eps=eps).reshape(x.shape)
+
+
+# ------------------------------------------------------------------- modules
+class RMSNorm(torch.nn.RMSNorm):
+    """Drop-in for torch.nn.RMSNorm (a subclass: same constructor, parameter
+    ``weight``, state_dict keys, isinstance), running numba_fused's kernels.
+
+    Differs from torch only in the default eps: 1e-6 here, None (meaning
+    torch.finfo(x.dtype).eps) in torch; pass eps=None for torch's behaviour.
+    A normalized_shape of several dims is flattened into one last axis.
+    """
+
+    def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True,
+                 device=None, dtype=None):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
+                         device=device, dtype=dtype)
+
+    def forward(self, x):
+        return _over_shape(rms_norm, x, self.normalized_shape, (self.weight,), self.eps)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """Drop-in for torch.nn.LayerNorm (a subclass: same constructor and defaults,
+    parameters ``weight``/``bias``, state_dict keys, isinstance), running
+    numba_fused's kernels. A normalized_shape of several dims is flattened into one
+    last axis."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 device=None, dtype=None):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
+                         bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return _over_shape(layer_norm, x, self.normalized_shape, (self.weight, self.bias),
+                           self.eps)
