@@ -1,5 +1,9 @@
-"""A vectorizable exp for the accumulator types (numba has no SVML: ``np.exp``
-is a scalar libm call that stops LLVM from vectorizing the softmax loops).
+"""Vectorizable math for the accumulator types: ``fexp`` and ``fmax``.
+
+numba has no SVML: ``np.exp`` is a scalar libm call that stops LLVM from
+vectorizing the softmax loops, and a ``v if v > m else m`` max does not vectorize
+without nnan. ``fmax`` is LLVM's ``llvm.maximum`` (IEEE maximum: NaN propagates),
+which vectorizes as a reduction.
 
 exp(x) = 2**n * exp(r) with n = rint(x / ln2), r = x - n*ln2 (Cody-Waite split
 of ln2, |r| <= ln2/2), exp(r) by a polynomial, and 2**n applied as two exact
@@ -49,6 +53,20 @@ def _scale_intrinsic(fty, ity, bits, bias, magic):
     return scale
 
 
+@intrinsic
+def _clamp(typingctx, x, lo, hi):
+    """min(max(x, lo), hi) as two selects (no branches, so loops vectorize);
+    NaN fails both comparisons and passes through."""
+    if not (x == lo == hi and isinstance(x, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        x, lo, hi = args
+        x = builder.select(builder.fcmp_ordered('>', x, hi), hi, x)
+        return builder.select(builder.fcmp_ordered('<', x, lo), lo, x)
+    return x(x, x, x), codegen
+
+
 _scale32 = _scale_intrinsic(types.float32, types.int32, 32, 127, _MAGIC32)
 _scale64 = _scale_intrinsic(types.float64, types.int64, 64, 1023, _MAGIC64)
 
@@ -58,9 +76,7 @@ _FLAGS = {'contract', 'nsz'}
 @njit(fastmath=_FLAGS, cache=True)
 def exp_f32(x):
     """exp for float32 (see module docstring)."""
-    hi, lo = np.float32(89.0), np.float32(-104.0)
-    x = hi if x > hi else x          # NaN fails both tests and stays NaN
-    x = lo if x < lo else x
+    x = _clamp(x, np.float32(-104.0), np.float32(89.0))
     t = x * np.float32(_LOG2E) + np.float32(_MAGIC32)
     n = t - np.float32(_MAGIC32)
     r = x - n * np.float32(0.693359375)
@@ -78,9 +94,7 @@ def exp_f32(x):
 @njit(fastmath=_FLAGS, cache=True)
 def exp_f64(x):
     """exp for float64 (see module docstring)."""
-    hi, lo = 710.0, -746.0
-    x = hi if x > hi else x
-    x = lo if x < lo else x
+    x = _clamp(x, -746.0, 710.0)
     t = x * _LOG2E + _MAGIC64
     n = t - _MAGIC64
     r = x - n * 6.93147180369123816490e-01
@@ -99,6 +113,20 @@ def exp_f64(x):
     p = p * r + 0.5
     p = p * (r * r) + r + 1.0
     return _scale64(p, t)
+
+
+@intrinsic
+def fmax(typingctx, a, b):
+    """IEEE-754 maximum of two floats of one type; NaN if either is NaN."""
+    if not (a == b and isinstance(a, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ty = args[0].type
+        fn = builder.module.declare_intrinsic("llvm.maximum", [ty],
+                                              ir.FunctionType(ty, [ty, ty]))
+        return builder.call(fn, args)
+    return a(a, a), codegen
 
 
 def fexp(x):

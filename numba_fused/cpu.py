@@ -26,11 +26,11 @@ every thread count, no atomics.
 import time
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.extending import overload
 
 from ._dtypes import acc, narrow, widen
-from ._expm import fexp
+from ._vecmath import fexp, fmax
 
 # Reassociation lets LLVM vectorize the reductions; no nnan/ninf, which would
 # break -inf masking and NaN propagation.
@@ -47,23 +47,27 @@ _PARTIAL_ELEMS = 1 << 21
 
 # ------------------------------------------------------------------ softmax
 @_row
-def _softmax_fwd_row(x, y):
+def _softmax_fwd_row(x, y, scratch):
     """y = exp(x - m) / sum(exp(x - m)), m = max(x).
 
-    The max ignores NaN; a NaN then poisons the sum and so the whole row. A row
-    of all -inf has m = -inf and x - m = NaN, as in torch.
+    exp(x - m) is kept in ``scratch`` (accumulator type, one row, in cache) so
+    each element costs one exp; y is then rounded once from it.
+
+    A NaN makes m NaN and so the whole row; so does +inf (inf - inf). A row of
+    all -inf has m = -inf and x - m = NaN, as in torch.
     """
     cols = x.shape[0]
     m = acc(x, -np.inf)
     for c in range(cols):
-        v = widen(x[c])
-        m = v if v > m else m
+        m = fmax(m, widen(x[c]))
     s = acc(x, 0.0)
     for c in range(cols):
-        s += fexp(widen(x[c]) - m)
+        e = fexp(widen(x[c]) - m)
+        scratch[c] = e
+        s += e
     inv = acc(x, 1.0) / s
     for c in range(cols):
-        y[c] = narrow(fexp(widen(x[c]) - m) * inv, y)
+        y[c] = narrow(scratch[c] * inv, y)
 
 
 @_row
@@ -184,10 +188,19 @@ def _row_of(a, k):
 
 @overload(_row_of)
 def _row_of_impl(a, k):
-    from numba import types
     if isinstance(a, types.NoneType):
         return lambda a, k: None
     return lambda a, k: a[k]
+
+
+def _acc_empty(x, n):
+    raise NotImplementedError
+
+
+@overload(_acc_empty)
+def _acc_empty_impl(x, n):
+    dt = np.float64 if x.dtype == types.float64 else np.float32
+    return lambda x, n: np.empty(n, dt)
 
 
 @njit(cache=True, nogil=True)
@@ -209,11 +222,14 @@ def _build(loop):
     opts = dict(parallel=loop is prange, cache=True, nogil=True)
 
     @njit(**opts)
-    def softmax_fwd(x, y):
+    def softmax_fwd(x, y, chunks):
         inner = x.shape[1]
-        for r in loop(x.shape[0] * inner):
-            o, i = r // inner, r % inner
-            _softmax_fwd_row(x[o, i], y[o, i])
+        rows = x.shape[0] * inner
+        for k in loop(chunks):
+            scratch = _acc_empty(x, x.shape[2])
+            for r in range(k * rows // chunks, (k + 1) * rows // chunks):
+                o, i = r // inner, r % inner
+                _softmax_fwd_row(x[o, i], y[o, i], scratch)
 
     @njit(**opts)
     def softmax_bwd(y, dy, dx):
@@ -289,7 +305,8 @@ def _acc_dtype(x):
 
 # ----------------------------------------------------------- backend entry
 def softmax_fwd(x, y):
-    _pick("softmax_fwd", x)(x, y)
+    rows = x.shape[0] * x.shape[1]
+    _pick("softmax_fwd", x)(x, y, min(rows, 16 * MAX_CHUNKS))
 
 
 def softmax_bwd(y, dy, dx):
