@@ -29,7 +29,8 @@ class HostContext:
 
     @property
     def kernels(self):
-        from . import cpu
+        from . import cpu   # numba compiles lazily; import only on first use
+        HostContext.kernels = cpu
         return cpu
 
     def wrap(self, obj, name, dtype=None):
@@ -58,6 +59,8 @@ class HostContext:
 
     def reshape_view(self, a, shape):
         """``a`` reshaped without a copy, or None where that needs one."""
+        if a.flags.c_contiguous:
+            return a.reshape(shape)    # fast path: np.reshape(copy=False) costs ~2 us
         try:
             return np.reshape(a, shape, copy=False)
         except ValueError:
@@ -156,6 +159,8 @@ def _check_stats(ctx, obj, name, x):
 
 
 def _check_eps(eps):
+    if type(eps) is float and 0.0 <= eps < math.inf:
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
     eps = float(eps)

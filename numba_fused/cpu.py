@@ -23,8 +23,10 @@ dweight/dbias: rows are split into a fixed number of chunks that depends only on
 and the partials are summed in chunk order: the same bits on every run and for
 every thread count, no atomics.
 """
+import threading
 import time
 
+import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
@@ -284,8 +286,26 @@ PARALLEL = _build(prange)
 SERIAL = _build(range)
 
 
-def _pick(name, x):
-    return (SERIAL if x.size < SERIAL_BELOW else PARALLEL)[name]
+_launch_lock = threading.Lock()
+_needs_lock = True   # until the first parallel launch shows which layer loaded
+
+
+def _run(name, x, *args):
+    """Run kernel ``name``: serial below SERIAL_BELOW elements, else parallel.
+
+    numba's workqueue threading layer aborts the process when two Python threads
+    launch parallel kernels at once; with it (and until the first launch tells
+    which layer numba picked) parallel launches are serialized. tbb and omp are
+    thread-safe and take no lock.
+    """
+    global _needs_lock
+    if x.size < SERIAL_BELOW:
+        return SERIAL[name](*args)
+    if not _needs_lock:
+        return PARALLEL[name](*args)
+    with _launch_lock:
+        PARALLEL[name](*args)
+        _needs_lock = numba.threading_layer() == "workqueue"
 
 
 def param_chunks(rows, cols):
@@ -306,26 +326,26 @@ def _acc_dtype(x):
 # ----------------------------------------------------------- backend entry
 def softmax_fwd(x, y):
     rows = x.shape[0] * x.shape[1]
-    _pick("softmax_fwd", x)(x, y, min(rows, 16 * MAX_CHUNKS))
+    _run("softmax_fwd", x, x, y, min(rows, 16 * MAX_CHUNKS))
 
 
 def softmax_bwd(y, dy, dx):
-    _pick("softmax_bwd", y)(y, dy, dx)
+    _run("softmax_bwd", y, y, dy, dx)
 
 
 def rms_norm_fwd(x, weight, eps, y, rstd):
-    _pick("rms_norm_fwd", x)(x, weight, eps, y, rstd)
+    _run("rms_norm_fwd", x, x, weight, eps, y, rstd)
 
 
 def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
-    _pick("layer_norm_fwd", x)(x, weight, bias, eps, y, mean, rstd)
+    _run("layer_norm_fwd", x, x, weight, bias, eps, y, mean, rstd)
 
 
 def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
     rows = x.shape[0] * x.shape[1]
     parts = _partials(dweight, rows, _acc_dtype(x))
     chunks = rows if parts is None else parts.shape[0]
-    _pick("rms_norm_bwd", x)(dy, x, weight, rstd, dx, parts, chunks)
+    _run("rms_norm_bwd", x, dy, x, weight, rstd, dx, parts, chunks)
     if parts is not None:
         _sum_partials(parts, dweight)
 
@@ -336,7 +356,7 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
     bparts = _partials(dbias, rows, _acc_dtype(x))
     some = wparts if wparts is not None else bparts
     chunks = rows if some is None else some.shape[0]
-    _pick("layer_norm_bwd", x)(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks)
+    _run("layer_norm_bwd", x, dy, x, weight, mean, rstd, dx, wparts, bparts, chunks)
     for parts, out in ((wparts, dweight), (bparts, dbias)):
         if parts is not None:
             _sum_partials(parts, out)
