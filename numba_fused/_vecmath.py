@@ -70,7 +70,7 @@ def _clamp(typingctx, x, lo, hi):
 _scale32 = _scale_intrinsic(types.float32, types.int32, 32, 127, _MAGIC32)
 _scale64 = _scale_intrinsic(types.float64, types.int64, 64, 1023, _MAGIC64)
 
-_FLAGS = {'contract', 'nsz'}
+_FLAGS = {'nsz'}   # no 'contract': see cpu.FLAGS
 
 
 @njit(fastmath=_FLAGS, cache=True)

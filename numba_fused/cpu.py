@@ -35,8 +35,11 @@ from ._dtypes import acc, narrow, widen
 from ._vecmath import fexp, fmax
 
 # Reassociation lets LLVM vectorize the reductions; no nnan/ninf, which would
-# break -inf masking and NaN propagation.
-FLAGS = frozenset({'nsz', 'arcp', 'contract', 'afn', 'reassoc'})
+# break -inf masking and NaN propagation. No 'contract' either: FMA formation
+# differed between numba's JIT and its cached object code (measured: a process
+# loading kernels from the on-disk cache got other dx bits than the process that
+# compiled them), and results must not depend on the cache.
+FLAGS = frozenset({'nsz', 'arcp', 'afn', 'reassoc'})
 _ROW_OPTS = dict(fastmath=set(FLAGS), cache=True, nogil=True, error_model='numpy')
 _row = njit(**_ROW_OPTS)
 

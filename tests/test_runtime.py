@@ -1,0 +1,89 @@
+"""Runtime behaviour of the CPU backend: concurrent callers, the on-disk cache
+shared by processes starting at once, and ahead-of-use compilation."""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import numba_fused as nf
+from numba_fused import cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ops(x, dy, w):
+    y = nf.softmax_fwd(x)
+    out = [y, nf.softmax_bwd(y, dy)]
+    yr, rstd = nf.rms_norm_fwd(x, w)
+    out += [yr, rstd, *nf.rms_norm_bwd(dy, x, w, rstd)]
+    yl, mean, rstd = nf.layer_norm_fwd(x, w, w)
+    out += [yl, mean, rstd, *nf.layer_norm_bwd(dy, x, w, w, mean, rstd)]
+    return out
+
+
+def test_eight_threads_launching_parallel_kernels_at_once():
+    rng = np.random.default_rng(7)
+    shape = (64, cpu.SERIAL_BELOW // 32)          # above the serial threshold
+    x = rng.standard_normal(shape).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    expected = _ops(x, dy, w)
+    barrier = threading.Barrier(8)
+    results, errors = [None] * 8, []
+
+    def worker(i):
+        try:
+            barrier.wait()
+            for _ in range(5):
+                results[i] = _ops(x, dy, w)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for got in results:
+        for a, b in zip(got, expected):
+            np.testing.assert_array_equal(a, b)   # deterministic: same bits
+
+
+_CHILD = textwrap.dedent("""
+    import hashlib, numpy as np, ml_dtypes, numba_fused as nf
+    x = np.random.default_rng(3).standard_normal((8, 96)).astype(ml_dtypes.bfloat16)
+    y, mean, rstd = nf.layer_norm_fwd(x, np.ones(96, np.float32), None)
+    dx, dw, db = nf.layer_norm_bwd(x, x, np.ones(96, np.float32), None, mean, rstd)
+    print(hashlib.sha256(y.tobytes() + dx.tobytes() + dw.tobytes()).hexdigest())
+""")
+
+
+def test_processes_filling_one_empty_cache_at_once(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    digests = {out.strip() for out, _ in outs}
+    assert len(digests) == 1, digests
+    assert any((tmp_path / "cache").rglob("*.nbc")), "nothing was cached"
+    # a later process loads from that cache and computes the same bits
+    again = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() in digests
+
+
+def test_warmup_reports_every_build():
+    timings = cpu.warmup(dtypes=[np.float32])
+    assert set(timings) == {"float32/float32/serial", "float32/float32/parallel"}
+    assert all(t >= 0 for t in timings.values())
