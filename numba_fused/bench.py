@@ -68,6 +68,8 @@ KERNELS = None
 
 #: Sample length the auto ``number`` (calls per sample) aims for, seconds.
 MIN_SAMPLE_S = 2e-3
+#: Pause before each timed sample (see ``time_interleaved``), seconds.
+SETTLE_S = 3e-3
 #: Warm-up: at least this many calls and this long after the first call.
 WARM_CALLS, WARM_S = 2, 0.02
 
@@ -547,6 +549,9 @@ def gpu_available():
         from numba import cuda
     except ImportError:
         return False, "numba-cuda is not installed (pip install numba-fused[cuda])"
+    if getattr(cuda, "implementation", None) != "NVIDIA":
+        return False, ("numba-cuda is not installed (pip install numba-fused[cuda]); "
+                       "numba's built-in CUDA target is not supported")
     try:
         if not cuda.is_available():
             return False, "no CUDA GPU is available"
@@ -601,11 +606,15 @@ def _warm(impl):
 
 def time_interleaved(impls, repeat):
     """``repeat`` rounds; each round samples every implementation once, starting
-    from a different one each round."""
+    from a different one each round. A short pause before each sample lets the
+    previous runtime's worker threads (OpenMP, XLA's pool) stop spinning, so
+    they do not steal the cores from the next implementation."""
     k = len(impls)
     for r in range(repeat):
         for j in range(k):
             impl = impls[(r + j) % k]
+            if SETTLE_S:
+                time.sleep(SETTLE_S)
             impl.samples.append(_sample(impl))
 
 
@@ -615,7 +624,7 @@ def machine_info():
     info = {"cpu": _cpu_model(), "cores": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(),
             "numpy": np.__version__, "numba": numba.__version__,
-            "numba_threads": numba.get_num_threads()}
+            "numba_threads": numba.get_num_threads(), "loadavg": _loadavg()}
     try:
         info["threading_layer"] = numba.threading_layer()
     except ValueError:
@@ -630,9 +639,16 @@ def machine_info():
         m = sys.modules.get(mod)
         if m is not None:
             info[mod] = getattr(m, "__version__", "?")
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:
         info["torch_threads"] = sys.modules["torch"].get_num_threads()
     return info
+
+
+def _loadavg():
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def _cpu_model():
@@ -666,7 +682,7 @@ def set_threads(n):
     """numba's and torch's thread counts (JAX keeps its own pool)."""
     import numba
     numba.set_num_threads(n)
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:
         sys.modules["torch"].set_num_threads(n)
 
 
@@ -689,6 +705,10 @@ def run(cfg):
             notes.append(msg)
             log("note: " + msg)
 
+    load = _loadavg()
+    if load and load[0] > 0.5 * (os.cpu_count() or 1):
+        note(f"load average {load[0]:.2f} on {os.cpu_count()} cores at the start: "
+             "other processes may disturb the timings")
     seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     devices = []
@@ -731,8 +751,7 @@ def run(cfg):
     for i, (dev, op, direction, dtype, shape) in enumerate(cases, 1):
         label = f"{dev} {op} {direction} {dtype} {'x'.join(map(str, shape))}"
         log(f"[{i}/{len(cases)}] {label}")
-        pdt = D.float32 if (dev == "gpu" and dtype in ("bfloat16", "float16")) else None
-        inp, ref = make_inputs(op, direction, dtype, shape, rng, pdt)
+        inp, ref = make_inputs(op, direction, dtype, shape, rng)
         nbytes = traffic_bytes(op, direction, inp)
         ctx = {"device": dev, "alloc": cfg.alloc}
         want, _ = _peer_list(cfg, dev)

@@ -48,7 +48,7 @@ Implementations
                 run once at setup; fwd+bwd: one jitted forward + vjp.
   cupy (GPU)    the composed formulas in CuPy (no bfloat16).
 A peer that is not installed is skipped with a one-line note.
-Weights are in the input's dtype on the CPU (float32 for 16-bit inputs on the GPU).
+Weights and biases are in the input's dtype (bfloat16 on a GPU: uint16 bits).
 Inputs are fresh normal random numbers (--seed to repeat them).
 
 Progress goes to stderr, the table to stdout.
@@ -230,6 +230,8 @@ def cmd_bench(args, argv):
     recs = result["records"]
     m = result["meta"]["machine"]
     if not recs:
+        for n in result["notes"]:
+            print(f"note: {n}")
         print("numba-fused bench: nothing was run")
         return 0
     print(f"# {result['meta']['date']}  {m['cpu']}, {m['cores']} cores, numba "
