@@ -136,7 +136,9 @@ def _check_like(ctx, obj, name, x, xname, dtype):
 def _check_param(ctx, obj, name, x):
     if obj is None:
         return None
-    a = ctx.wrap(obj, name)
+    # CUDA: a 16-bit integer weight/bias beside half x is read as x's dtype (gpu.py)
+    tag = ctx.param_tag(obj, x.dtype) if hasattr(ctx, "param_tag") else None
+    a = ctx.wrap(obj, name, tag)
     if a.dtype not in (x.dtype, D.float32):
         raise TypeError(f"{name} has dtype {a.dtype}; expected x's dtype {x.dtype} "
                         "or float32")
