@@ -80,33 +80,33 @@ def _acc_dtype(dtype):
 
 
 class _Cuda:
-    """Hands CUDA tensors to the GPU backend on torch's current stream."""
+    """Hands CUDA tensors to the GPU backend on torch's current stream, with x's
+    device current (numba uses the context torch made current on the thread)."""
 
     def __init__(self, x):
         from numba import cuda            # only CUDA users import numba.cuda
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         self.device = x.device
-        self.gpu = cuda.gpus[index]
+        self._guard = torch.cuda.device(x.device)
         stream = torch.cuda.current_stream(x.device).cuda_stream
         self.kw = {"stream": cuda.external_stream(stream)}
         if x.dtype == torch.bfloat16:
             self.kw["dtype"] = "bfloat16"
 
     def __enter__(self):
-        self.gpu.__enter__()
+        self._guard.__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self.gpu.__exit__(*exc)
+        return self._guard.__exit__(*exc)
 
     @staticmethod
     def arr(t):
         """x-like tensor (x, y, dy, out) for the kernels: bf16 as int16 bits."""
         if t is None:
             return None
-        t = t.detach()
-        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
-            t = t.contiguous()            # copy with torch, on torch's stream
+        # The GPU backend copies layouts it cannot view through the host; a
+        # torch copy on the device (and on torch's stream) is far cheaper.
+        t = t.detach().contiguous()
         return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
     @staticmethod
@@ -125,6 +125,11 @@ class _Cuda:
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
+def _empty_out(x):
+    """A contiguous output like x (the fake impls promise contiguous outputs)."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _none_to_empty(t, like):
     return like.new_empty((0,)) if t is None else t
 
@@ -133,7 +138,7 @@ def _none_to_empty(t, like):
 @torch.library.custom_op("numba_fused::softmax_fwd", mutates_args=())
 def _softmax_fwd(x: Tensor) -> Tensor:
     _check_dtype(x, "x")
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = _empty_out(x)
     if x.device.type == "cpu":
         _F.softmax_fwd(_np(x), out=_np(y))
     else:
@@ -151,7 +156,7 @@ def _(x):
 def _softmax_bwd(y: Tensor, dy: Tensor) -> Tensor:
     _check_dtype(y, "y")
     dy = dy.to(y.dtype)
-    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    dx = _empty_out(y)
     if y.device.type == "cpu":
         _F.softmax_bwd(_np(y), _np(dy), out=_np(dx))
     else:
@@ -183,7 +188,7 @@ _softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
 @torch.library.custom_op("numba_fused::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     _check_dtype(x, "x")
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = _empty_out(x)
     if x.device.type == "cpu":
         _, rstd = _F.rms_norm_fwd(_np(x), None if weight is None else _np(weight), eps,
                                   out=_np(y))
@@ -202,14 +207,14 @@ def _(x, weight, eps):
 def _rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor,
                   need_dweight: bool) -> tuple[Tensor, Tensor]:
     dy = dy.to(x.dtype)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = _empty_out(x)
     if x.device.type == "cpu":
         _, dw = _F.rms_norm_bwd(_np(dy), _np(x), None if weight is None else _np(weight),
                                 _np(rstd), out=_np(dx))
         dw = None if dw is None else _from_np(dw)
     else:
         with _Cuda(x) as c:
-            _, dw = _F.rms_norm_bwd(c.arr(dy), c.arr(x), c.param(weight), rstd.detach(),
+            _, dw = _F.rms_norm_bwd(c.arr(dy), c.arr(x), c.param(weight), c.arr(rstd),
                                     out=c.arr(dx), **c.kw)
             dw = None if dw is None else c.back(dw, weight.dtype)
     if not need_dweight:
@@ -247,7 +252,7 @@ _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setu
 def _layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
     _check_dtype(x, "x")
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = _empty_out(x)
     if x.device.type == "cpu":
         _, mean, rstd = _F.layer_norm_fwd(_np(x), None if weight is None else _np(weight),
                                           None if bias is None else _np(bias), eps,
@@ -273,7 +278,7 @@ def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
     """dbias comes back in the accumulator dtype (float32, float64 for float64 x):
     bias is not saved, so a stand-in of that dtype (allowed for any x) selects it."""
     dy = dy.to(x.dtype)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = _empty_out(x)
     acc = _acc_dtype(x.dtype)
     n = x.shape[-1]
     if x.device.type == "cpu":
@@ -288,7 +293,7 @@ def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
         with _Cuda(x) as c:
             stand_in = torch.empty((n,), dtype=acc, device=x.device) if need_dbias else None
             _, dw, db = _F.layer_norm_bwd(c.arr(dy), c.arr(x), c.param(weight), stand_in,
-                                          mean.detach(), rstd.detach(), out=c.arr(dx),
+                                          c.arr(mean), c.arr(rstd), out=c.arr(dx),
                                           **c.kw)
             dw = None if dw is None else c.back(dw, weight.dtype)
             db = c.back(db)
