@@ -157,7 +157,9 @@ def machine():
         layer = numba.threading_layer()
     except ValueError:
         layer = "not started"
-    return (f"{cpu}, {os.cpu_count()} cores; {platform.platform()}; Python "
+    load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else "?"
+    return (f"{cpu}, {os.cpu_count()} cores (load average {' '.join(load)} at the end); "
+            f"{platform.platform()}; Python "
             f"{platform.python_version()}; torch {torch.__version__} "
             f"({torch.get_num_threads()} threads); numba {numba.__version__} "
             f"({layer}, {numba.get_num_threads()} threads); numba_fused "
@@ -173,8 +175,14 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--number", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch and numba thread count (default: as configured)")
     p.add_argument("--quick", action="store_true", help="small shapes, few rounds")
     a = p.parse_args(argv)
+    if a.threads:
+        import numba
+        torch.set_num_threads(a.threads)
+        numba.set_num_threads(a.threads)
     if a.quick:
         a.batch, a.seq, a.dim, a.heads, a.rounds, a.number = 2, 64, 128, 4, 3, 2
     dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
@@ -188,6 +196,10 @@ def main(argv=None):
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines.append(f"Training step (forward+backward), {stamp}")
     lines.append(f"Machine: {machine()}")
+    env = ", ".join(f"{k}={os.environ[k]}" for k in (
+        "OMP_WAIT_POLICY", "NUMBA_THREADING_LAYER", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
+        if k in os.environ)
+    lines.append(f"Environment: {env or 'no threading variables set'}")
     lines.append(f"Shapes: batch {a.batch}, seq {a.seq}, dim {a.dim}, heads {a.heads} "
                  f"(norm rows {rows} x {a.dim}; softmax rows "
                  f"{a.batch * a.heads * a.seq} x {a.seq}); medians of {a.rounds} "

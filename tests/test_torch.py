@@ -385,6 +385,31 @@ def test_compile_fullgraph_matches_eager(backend):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-5)
 
 
+def test_compile_dynamic_shapes_aot_eager():
+    torch._dynamo.reset()
+    ln = nft.LayerNorm(16)
+    fn = torch.compile(lambda x: ln(nft.softmax(x, dim=0)), backend="aot_eager",
+                       fullgraph=True, dynamic=True)
+    for rows in (3, 5, 9):
+        x = _randn(rows, 16, seed=rows, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        y = fn(x)
+        ref = F.layer_norm(F.softmax(xr, 0), (16,), ln.weight, ln.bias)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        y.sum().backward()
+
+
+def test_inference_mode_and_no_grad():
+    x = _randn(4, 16)
+    w = torch.ones(16, requires_grad=True)
+    with torch.inference_mode():
+        y = nft.rms_norm(x, w)
+    assert not y.requires_grad
+    with torch.no_grad():
+        y2 = nft.rms_norm(x, w)
+    torch.testing.assert_close(y, y2)
+
+
 def test_compile_graph_contains_custom_ops():
     torch._dynamo.reset()
     graphs = []
