@@ -1,0 +1,610 @@
+"""CPU kernels vs the float64 reference, finite differences, layouts, in-place,
+special values, empty inputs and determinism. Comparison policy: conftest.py."""
+import numba
+import numpy as np
+import pytest
+
+import numba_fused as nf
+from numba_fused import reference as ref
+from conftest import (BF16, DTYPES, F16, F32, F64, HALVES, LAYOUTS, TOL, acc_dtype,
+                      as_layout, assert_bits_equal, assert_close, assert_rel_elementwise,
+                      assert_unmodified, copies, draw, draw_param, dtype_id, is_half,
+                      ln_fwd_cond, norm_bwd_cond, param_grad_scale, poisoned, row_scale,
+                      softmax_bwd_cond, stats_close)
+
+SHAPES = [(7,), (1, 1), (3, 5, 129), (64, 1000), (2, 4099),
+          (4, 1), (4, 2), (5, 7), (4, 64), (3, 1000)]
+SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
+dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+shapes = pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+W_KINDS = [None, "x", "f32"]
+WB_KINDS = [(None, None), ("x", "x"), ("f32", "f32"), ("x", None), (None, "f32")]
+RMS_EPS, LN_EPS = 1e-6, 1e-5
+
+
+def _stats_scale(x):
+    """mean's per-row scale: the row's max |x|."""
+    return row_scale(x)[..., 0]
+
+
+def _check_param_grad(got, reference, param, scale, what):
+    if param is None:
+        assert got is None, f"{what} must be None when its parameter is None"
+        return
+    assert got is not None, f"{what} is None"
+    assert got.dtype == param.dtype and got.shape == param.shape, (got.dtype, got.shape)
+    assert_close(got, reference, scale=scale, what=what)
+
+
+# ==================================================================== softmax
+@dtypes
+@shapes
+def test_softmax_fwd(rng, dtype, shape):
+    x = draw(rng, shape, dtype, scale=3.0)
+    (x0,) = copies(x)
+    out = poisoned(shape, dtype)
+    y = nf.softmax_fwd(x, out=out)
+    assert y is out
+    assert_unmodified([x0], [x], ["x"])
+    r = ref.softmax_fwd(x)
+    assert_close(y, r, what="y")
+    if not is_half(dtype):
+        # softmax entries are relatively well conditioned: also elementwise
+        assert_rel_elementwise(y, r, TOL[dtype], floor=1e-30, what="y")
+    assert_bits_equal(nf.softmax_fwd(x), y, "softmax_fwd without out")
+    assert_bits_equal(nf.softmax(x), y, "softmax")
+
+
+@dtypes
+@shapes
+def test_softmax_bwd(rng, dtype, shape):
+    y = nf.softmax_fwd(draw(rng, shape, dtype, scale=2.0))
+    dy = draw(rng, shape, dtype)
+    y0, dy0 = copies(y, dy)
+    out = poisoned(shape, dtype)
+    dx = nf.softmax_bwd(y, dy, out=out)
+    assert dx is out
+    assert_unmodified([y0, dy0], [y, dy], ["y", "dy"])
+    assert_close(dx, ref.softmax_bwd(y, dy), cond=softmax_bwd_cond(y, dy), what="dx")
+    assert_bits_equal(nf.softmax_bwd(y, dy), dx, "softmax_bwd without out")
+
+
+# ==================================================================== RMSNorm
+@pytest.mark.parametrize("wkind", W_KINDS, ids=str)
+@dtypes
+@shapes
+def test_rms_norm_fwd(rng, dtype, shape, wkind):
+    x = draw(rng, shape, dtype)
+    w = draw_param(rng, shape[-1], wkind, dtype)
+    x0, w0 = copies(x, w)
+    out = poisoned(shape, dtype)
+    y, rstd = nf.rms_norm_fwd(x, w, RMS_EPS, out=out)
+    assert y is out
+    assert_unmodified([x0, w0], [x, w], ["x", "weight"])
+    yr, rr = ref.rms_norm_fwd(x, w, RMS_EPS)
+    assert rstd.shape == shape[:-1]
+    stats_close(rstd, rr, dtype, scale=np.abs(rr), what="rstd")
+    assert_close(y, yr, what="y")
+    y2, rstd2 = nf.rms_norm_fwd(x, w, RMS_EPS)
+    assert_bits_equal(y2, y, "rms_norm_fwd without out")
+    assert_bits_equal(rstd2, rstd, "rstd")
+    assert_bits_equal(nf.rms_norm(x, w, RMS_EPS), y, "rms_norm")
+
+
+@pytest.mark.parametrize("wkind", W_KINDS, ids=str)
+@dtypes
+@shapes
+def test_rms_norm_bwd(rng, dtype, shape, wkind):
+    x = draw(rng, shape, dtype)
+    w = draw_param(rng, shape[-1], wkind, dtype)
+    _, rstd = nf.rms_norm_fwd(x, w, RMS_EPS)
+    dy = draw(rng, shape, dtype)
+    ins = [dy, x, w, rstd]
+    orig = copies(*ins)
+    out = poisoned(shape, dtype)
+    dx, dw = nf.rms_norm_bwd(dy, x, w, rstd, out=out)
+    assert dx is out
+    assert_unmodified(orig, ins, ["dy", "x", "weight", "rstd"])
+    dxr, dwr = ref.rms_norm_bwd(dy, x, w, rstd)
+    assert_close(dx, dxr, cond=norm_bwd_cond(dy, x, w, None, rstd), what="dx")
+    xhat = x.astype(np.float64) * np.asarray(rstd, np.float64)[..., None]
+    _check_param_grad(dw, dwr, w, param_grad_scale(dy.astype(np.float64) * xhat, shape[-1]),
+                      "dweight")
+    dx2, dw2 = nf.rms_norm_bwd(dy, x, w, rstd)
+    assert_bits_equal(dx2, dx, "rms_norm_bwd without out")
+    if w is not None:
+        assert_bits_equal(dw2, dw, "dweight rerun")
+
+
+# ================================================================== LayerNorm
+@pytest.mark.parametrize("wb", WB_KINDS, ids=str)
+@dtypes
+@shapes
+def test_layer_norm_fwd(rng, dtype, shape, wb):
+    x = draw(rng, shape, dtype, loc=0.5)
+    w = draw_param(rng, shape[-1], wb[0], dtype)
+    b = draw_param(rng, shape[-1], wb[1], dtype, loc=0.0)
+    ins = [x, w, b]
+    orig = copies(*ins)
+    out = poisoned(shape, dtype)
+    y, mean, rstd = nf.layer_norm_fwd(x, w, b, LN_EPS, out=out)
+    assert y is out
+    assert_unmodified(orig, ins, ["x", "weight", "bias"])
+    yr, mr, rr = ref.layer_norm_fwd(x, w, b, LN_EPS)
+    assert mean.shape == rstd.shape == shape[:-1]
+    stats_close(mean, mr, dtype, scale=_stats_scale(x), what="mean")
+    stats_close(rstd, rr, dtype, scale=np.abs(rr), what="rstd")
+    assert_close(y, yr, cond=ln_fwd_cond(x, w, rr), what="y")
+    y2, mean2, rstd2 = nf.layer_norm_fwd(x, w, b, LN_EPS)
+    assert_bits_equal(y2, y, "layer_norm_fwd without out")
+    assert_bits_equal(mean2, mean, "mean")
+    assert_bits_equal(rstd2, rstd, "rstd")
+    assert_bits_equal(nf.layer_norm(x, w, b, LN_EPS), y, "layer_norm")
+
+
+def _ln_bwd_check(dtype, shape, dy, x, w, b, mean, rstd):
+    ins = [dy, x, w, b, mean, rstd]
+    orig = copies(*ins)
+    out = poisoned(shape, dtype)
+    dx, dw, db = nf.layer_norm_bwd(dy, x, w, b, mean, rstd, out=out)
+    assert dx is out
+    assert_unmodified(orig, ins, ["dy", "x", "weight", "bias", "mean", "rstd"])
+    dxr, dwr, dbr = ref.layer_norm_bwd(dy, x, w, b, mean, rstd)
+    assert_close(dx, dxr, cond=norm_bwd_cond(dy, x, w, mean, rstd), what="dx")
+    dy64 = dy.astype(np.float64)
+    xhat = ((x.astype(np.float64) - np.asarray(mean, np.float64)[..., None])
+            * np.asarray(rstd, np.float64)[..., None])
+    cols = shape[-1]
+    _check_param_grad(dw, dwr, w, param_grad_scale(dy64 * xhat, cols), "dweight")
+    _check_param_grad(db, dbr, b, param_grad_scale(dy64, cols), "dbias")
+    return dx, dw, db
+
+
+@pytest.mark.parametrize("wb", WB_KINDS, ids=str)
+@dtypes
+@shapes
+def test_layer_norm_bwd(rng, dtype, shape, wb):
+    x = draw(rng, shape, dtype, loc=0.5)
+    w = draw_param(rng, shape[-1], wb[0], dtype)
+    b = draw_param(rng, shape[-1], wb[1], dtype, loc=0.0)
+    _, mean, rstd = nf.layer_norm_fwd(x, w, b, LN_EPS)
+    dy = draw(rng, shape, dtype)
+    dx, dw, db = _ln_bwd_check(dtype, shape, dy, x, w, b, mean, rstd)
+    dx2, dw2, db2 = nf.layer_norm_bwd(dy, x, w, b, mean, rstd)
+    assert_bits_equal(dx2, dx, "layer_norm_bwd without out")
+    for g, g2, n in ((dw, dw2, "dweight"), (db, db2, "dbias")):
+        if g is not None:
+            assert_bits_equal(g2, g, n + " rerun")
+
+
+# ========================================================= finite differences
+FD_SHAPES = [(5,), (3, 7), (2, 2, 4), (4, 1), (2, 33)]
+FD_IDS = ["x".join(map(str, s)) for s in FD_SHAPES]
+
+
+def _fd_grad(f, a, h=1e-6):
+    """Central differences of the scalar f at a (float64), element by element."""
+    g = np.empty(a.shape)
+    for idx in np.ndindex(a.shape):
+        ap, am = a.copy(), a.copy()
+        ap[idx] += h
+        am[idx] -= h
+        g[idx] = (f(ap) - f(am)) / (2 * h)
+    return g
+
+
+def _fd_close(numeric, analytic, what):
+    # f64 central differences with h = 1e-6: truncation ~h^2 = 1e-12, rounding
+    # ~1e-16 * |f| / h ~ 1e-9; a wrong gradient term is off by O(0.1).
+    analytic = np.asarray(analytic, np.float64)
+    scale = max(1.0, float(np.max(np.abs(analytic), initial=0)))
+    err = float(np.max(np.abs(numeric - analytic), initial=0))
+    assert err <= 1e-6 * scale, f"{what}: finite differences differ by {err:.3e}"
+
+
+@pytest.mark.parametrize("shape", FD_SHAPES, ids=FD_IDS)
+def test_softmax_grad_fd(rng, shape):
+    x = draw(rng, shape, F64)
+    dy = draw(rng, shape, F64)
+    num = _fd_grad(lambda a: float(np.sum(dy * nf.softmax_fwd(a))), x)
+    _fd_close(num, nf.softmax_bwd(nf.softmax_fwd(x), dy), "softmax dx")
+
+
+@pytest.mark.parametrize("with_w", [False, True])
+@pytest.mark.parametrize("shape", FD_SHAPES, ids=FD_IDS)
+def test_rms_norm_grad_fd(rng, shape, with_w):
+    x = draw(rng, shape, F64)
+    w = draw_param(rng, shape[-1], "x" if with_w else None, F64)
+    dy = draw(rng, shape, F64)
+    _, rstd = nf.rms_norm_fwd(x, w)
+    dx, dw = nf.rms_norm_bwd(dy, x, w, rstd)
+    _fd_close(_fd_grad(lambda a: float(np.sum(dy * nf.rms_norm_fwd(a, w)[0])), x), dx,
+              "rms_norm dx")
+    if with_w:
+        _fd_close(_fd_grad(lambda p: float(np.sum(dy * nf.rms_norm_fwd(x, p)[0])), w), dw,
+                  "rms_norm dweight")
+
+
+@pytest.mark.parametrize("wb", [(False, False), (True, True), (True, False), (False, True)],
+                         ids=str)
+@pytest.mark.parametrize("shape", FD_SHAPES, ids=FD_IDS)
+def test_layer_norm_grad_fd(rng, shape, wb):
+    x = draw(rng, shape, F64)
+    w = draw_param(rng, shape[-1], "x" if wb[0] else None, F64)
+    b = draw_param(rng, shape[-1], "x" if wb[1] else None, F64, loc=0.0)
+    dy = draw(rng, shape, F64)
+    _, mean, rstd = nf.layer_norm_fwd(x, w, b)
+    dx, dw, db = nf.layer_norm_bwd(dy, x, w, b, mean, rstd)
+
+    def f(a=x, p=w, q=b):
+        return float(np.sum(dy * nf.layer_norm_fwd(a, p, q)[0]))
+    _fd_close(_fd_grad(lambda a: f(a=a), x), dx, "layer_norm dx")
+    if w is not None:
+        _fd_close(_fd_grad(lambda p: f(p=p), w), dw, "layer_norm dweight")
+    if b is not None:
+        _fd_close(_fd_grad(lambda q: f(q=q), b), db, "layer_norm dbias")
+
+
+# ================================================================ layouts
+def _make_case(op, rng, shape, dtype):
+    """Named inputs of one op (stats from the library's own forward)."""
+    cols = shape[-1]
+    x = draw(rng, shape, dtype, loc=0.3)
+    w = draw_param(rng, cols, "x", dtype)
+    b = draw_param(rng, cols, "f32", dtype, loc=0.0)
+    dy = draw(rng, shape, dtype)
+    if op == "softmax_fwd":
+        return dict(x=x)
+    if op == "softmax_bwd":
+        return dict(y=nf.softmax_fwd(x), dy=dy)
+    if op == "rms_norm_fwd":
+        return dict(x=x, weight=w)
+    if op == "rms_norm_bwd":
+        return dict(dy=dy, x=x, weight=w, rstd=nf.rms_norm_fwd(x, w)[1])
+    if op == "layer_norm_fwd":
+        return dict(x=x, weight=w, bias=b)
+    _, mean, rstd = nf.layer_norm_fwd(x, w, b)
+    return dict(dy=dy, x=x, weight=w, bias=b, mean=mean, rstd=rstd)
+
+
+def _call(op, d, out=None):
+    f = getattr(nf, op)
+    if op == "softmax_fwd":
+        r = f(d["x"], out=out)
+    elif op == "softmax_bwd":
+        r = f(d["y"], d["dy"], out=out)
+    elif op == "rms_norm_fwd":
+        r = f(d["x"], d["weight"], out=out)
+    elif op == "rms_norm_bwd":
+        r = f(d["dy"], d["x"], d["weight"], d["rstd"], out=out)
+    elif op == "layer_norm_fwd":
+        r = f(d["x"], d["weight"], d["bias"], out=out)
+    else:
+        r = f(d["dy"], d["x"], d["weight"], d["bias"], d["mean"], d["rstd"], out=out)
+    return r if isinstance(r, tuple) else (r,)
+
+
+OPS = ["softmax_fwd", "softmax_bwd", "rms_norm_fwd", "rms_norm_bwd",
+       "layer_norm_fwd", "layer_norm_bwd"]
+BWD_OPS = ["softmax_bwd", "rms_norm_bwd", "layer_norm_bwd"]
+ROW_ARGS = ("x", "y", "dy")
+LAYOUT_SHAPES = [(6, 4, 33), (40, 8, 130)]     # serial and parallel kernels
+
+
+def _relayout(d, layout):
+    out = {}
+    for k, v in d.items():
+        if k in ROW_ARGS:
+            out[k] = as_layout(v, layout)
+        elif k in ("mean", "rstd"):
+            out[k] = as_layout(v, {"cols2": "rows2", "negcols": "negrows"}.get(layout, layout))
+        elif layout in ("cols2", "negcols"):         # weight/bias strided as well
+            out[k] = as_layout(v, layout)
+        else:
+            out[k] = v
+    return out
+
+
+def check_op(op, d, got):
+    """Every output of ``op`` on the named inputs ``d`` against the reference."""
+    x = d.get("x")
+    if op == "softmax_fwd":
+        assert_close(got[0], ref.softmax_fwd(x), what="y")
+    elif op == "softmax_bwd":
+        y, dy = d["y"], d["dy"]
+        assert_close(got[0], ref.softmax_bwd(y, dy), cond=softmax_bwd_cond(y, dy), what="dx")
+    elif op == "rms_norm_fwd":
+        yr, rr = ref.rms_norm_fwd(x, d["weight"])
+        assert_close(got[0], yr, what="y")
+        stats_close(got[1], rr, x.dtype, scale=np.abs(rr), what="rstd")
+    elif op == "layer_norm_fwd":
+        yr, mr, rr = ref.layer_norm_fwd(x, d["weight"], d["bias"])
+        assert_close(got[0], yr, cond=ln_fwd_cond(x, d["weight"], rr), what="y")
+        stats_close(got[1], mr, x.dtype, scale=_stats_scale(x), what="mean")
+        stats_close(got[2], rr, x.dtype, scale=np.abs(rr), what="rstd")
+    else:
+        dy, w, rstd = d["dy"], d["weight"], d["rstd"]
+        mean = d.get("mean")
+        m = 0.0 if mean is None else np.asarray(mean, np.float64)[..., None]
+        xhat = (x.astype(np.float64) - m) * np.asarray(rstd, np.float64)[..., None]
+        cols = x.shape[-1]
+        if op == "rms_norm_bwd":
+            dxr, dwr = ref.rms_norm_bwd(dy, x, w, rstd)
+            dbr = None
+        else:
+            dxr, dwr, dbr = ref.layer_norm_bwd(dy, x, w, d["bias"], mean, rstd)
+        assert_close(got[0], dxr, cond=norm_bwd_cond(dy, x, w, mean, rstd), what="dx")
+        _check_param_grad(got[1], dwr, w,
+                          param_grad_scale(dy.astype(np.float64) * xhat, cols), "dweight")
+        if op == "layer_norm_bwd":
+            _check_param_grad(got[2], dbr, d["bias"],
+                              param_grad_scale(dy.astype(np.float64), cols), "dbias")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=["serial", "parallel"])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=dtype_id)
+@pytest.mark.parametrize("op", OPS)
+def test_strided_inputs(rng, op, dtype, shape, layout):
+    """Non-contiguous / negative-stride inputs give the contiguous computation's
+    results (to the suite's tolerance: non-C layouts run a different numba
+    specialization, whose reassociated reductions may differ in the last bit),
+    and are not modified. Gaps of strided views hold NaN, so a kernel reading
+    outside the view shows."""
+    d = _make_case(op, rng, shape, dtype)
+    v = _relayout(d, layout)
+    orig = copies(*v.values())
+    got = _call(op, v)
+    check_op(op, d, got)
+    assert_unmodified(orig, list(v.values()), list(v))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=["serial", "parallel"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+@pytest.mark.parametrize("op", OPS)
+def test_strided_out(rng, op, dtype, shape, layout):
+    """out= with any layout: every element written, gaps of the buffer untouched."""
+    d = _make_case(op, rng, shape, dtype)
+    out = as_layout(poisoned(shape, dtype), layout)
+    base = out.base if out.base is not None else out
+    nan_before = np.isnan(base.astype(np.float32)).sum()
+    got = _call(op, d, out=out)
+    assert got[0] is out
+    check_op(op, d, got)
+    # exactly out's elements were overwritten, nothing else in the buffer
+    assert np.isnan(base.astype(np.float32)).sum() == nan_before - out.size
+
+
+# ============================================================= in-place bwd
+@pytest.mark.parametrize("layout", ["C", "cols2", "transpose", "negrows"])
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=["serial", "parallel"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", BWD_OPS)
+def test_inplace_backward_bit_identical(rng, op, dtype, shape, layout):
+    d = _make_case(op, rng, shape, dtype)
+    d = {k: (as_layout(v, layout) if k in ROW_ARGS else v) for k, v in d.items()}
+    want = _call(op, d, out=poisoned(shape, dtype))
+    dy = d["dy"]
+    others = {k: v.copy() for k, v in d.items() if k != "dy" and v is not None}
+    got = _call(op, d, out=dy)
+    assert got[0] is dy
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            assert_bits_equal(np.ascontiguousarray(g), np.ascontiguousarray(w),
+                              f"{op} in place")
+    for k, v in others.items():
+        assert_bits_equal(np.ascontiguousarray(d[k]), np.ascontiguousarray(v),
+                          f"{k} modified by in-place {op}")
+
+
+# ============================================================ special values
+SPECIAL_COLS = [1, 37, 1000, 4099]
+
+
+def _softmax_special_rows(rng, dtype, cols):
+    rows = 16 if cols > 1000 else 8           # 16 x 4099 runs the parallel kernel
+    x = draw(rng, (rows, cols), dtype, scale=2.0)
+    ninf = [0, cols // 2, cols - 1]
+    x[0, ninf] = -np.inf                        # -inf entries in a finite row
+    x[1, :] = -np.inf                           # all -inf
+    x[2, cols // 3] = np.nan                    # a NaN
+    x[3, cols - 1] = np.inf                     # +inf: NaN row (documented)
+    x[4, : max(1, cols // 2)] = -np.inf         # half -inf
+    return x, ninf
+
+
+@pytest.mark.parametrize("cols", SPECIAL_COLS)
+@dtypes
+def test_softmax_inf_nan_rows(rng, dtype, cols):
+    x, ninf = _softmax_special_rows(rng, dtype, cols)
+    y = nf.softmax_fwd(x, out=poisoned(x.shape, dtype))
+    r = ref.softmax_fwd(x)
+    if cols > 1:
+        assert np.all(y[0, ninf] == 0) and not np.any(np.signbit(y[0, ninf])), \
+            "-inf entries of a finite row must be exactly +0"
+        assert np.all(np.isfinite(y[0]))
+    assert np.all(np.isnan(y[1])), "an all -inf row must be NaN"
+    assert np.all(np.isnan(y[2])), "a row with a NaN must be all NaN"
+    assert np.all(np.isnan(y[3])), "a row with +inf is NaN"
+    assert_close(y, r, what="y")                # the other rows are unaffected
+    # backward through the same rows: zeros stay zeros, NaN rows stay NaN
+    dy = draw(rng, x.shape, dtype)
+    dx = nf.softmax_bwd(y, dy, out=poisoned(x.shape, dtype))
+    assert_close(dx, ref.softmax_bwd(y, dy), cond=softmax_bwd_cond(y, dy), what="dx")
+    if cols > 1:
+        assert np.all(dx[0, ninf] == 0)
+
+
+def _huge_rows(dtype, cols):
+    if np.dtype(dtype) == F16:
+        big = [1e4, 6e4, -6e4]
+    elif np.dtype(dtype) == F64:
+        big = [1e4, 1e30, 1e300, -1e300]
+    else:
+        big = [1e4, 1e30, 1e38, -1e30]
+    rows = []
+    k = np.arange(cols) % 5 - 2
+    for c in big:
+        base = np.full(cols, c)
+        rows.append(base.copy())                # all equal: uniform
+        alt = base.copy()
+        alt[::3] = c * 0.5 if c > 0 else c * 2 / 3
+        rows.append(alt)                        # mixed magnitudes
+        rows.append(base + k * abs(c) * 2.0 ** -6)  # close values of huge size
+    return np.array(rows).astype(dtype)
+
+
+@pytest.mark.parametrize("cols", [2, 37, 1000, 4099])
+@dtypes
+def test_softmax_huge_values(dtype, cols):
+    x = _huge_rows(dtype, cols)
+    assert np.all(np.isfinite(x))
+    y = nf.softmax_fwd(x, out=poisoned(x.shape, dtype))
+    r = ref.softmax_fwd(x)
+    assert np.all(np.isfinite(y)), "finite huge inputs overflowed"
+    assert_close(y, r, what="y")
+
+
+@pytest.mark.parametrize("cols", [1, 37, 1000])
+@dtypes
+def test_norm_nan_rows(rng, dtype, cols):
+    x = draw(rng, (6, cols), dtype)
+    x[1, cols // 2] = np.nan
+    w = draw_param(rng, cols, "x", dtype)
+    b = draw_param(rng, cols, "f32", dtype, loc=0.0)
+    y, rstd = nf.rms_norm_fwd(x, w, out=poisoned(x.shape, dtype))
+    yr, rr = ref.rms_norm_fwd(x, w)
+    assert np.all(np.isnan(y[1])) and np.isnan(rstd[1])
+    assert_close(y, yr, what="rms y")
+    stats_close(rstd, rr, dtype, scale=np.abs(rr), what="rstd")
+    y, mean, rstd = nf.layer_norm_fwd(x, w, b, out=poisoned(x.shape, dtype))
+    yr, mr, rr = ref.layer_norm_fwd(x, w, b)
+    assert np.all(np.isnan(y[1])) and np.isnan(mean[1]) and np.isnan(rstd[1])
+    assert_close(y, yr, cond=ln_fwd_cond(x, w, rr), what="ln y")
+    # a NaN in dy poisons its row of dx and its column of dweight/dbias only
+    x = draw(rng, (6, cols), dtype)
+    _, mean, rstd = nf.layer_norm_fwd(x, w, b)
+    dy = draw(rng, x.shape, dtype)
+    dy[2, 0] = np.nan
+    dx, dw, db = _ln_bwd_check(dtype, x.shape, dy, x, w, b, mean, rstd)
+    assert np.all(np.isnan(dx[2])) and np.isnan(dw[0]) and np.isnan(db[0])
+    assert not np.isnan(dx[[0, 1, 3, 4, 5]]).any()
+
+
+@pytest.mark.parametrize("loc", [1e4, -1e4])
+@pytest.mark.parametrize("shape", [(8, 1000), (4, 4099), (64, 1000)], ids=str)
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+def test_layer_norm_large_mean(rng, dtype, shape, loc):
+    """Rows with mean 1e4 and std 1: the variance must not cancel (a one-pass
+    E[x^2] - E[x]^2 in float32 loses every digit of it here)."""
+    x = draw(rng, shape, dtype, loc=loc, scale=1.0)
+    w = draw_param(rng, shape[-1], "x", dtype)
+    b = draw_param(rng, shape[-1], "x", dtype, loc=0.0)
+    y, mean, rstd = nf.layer_norm_fwd(x, w, b, out=poisoned(shape, dtype))
+    yr, mr, rr = ref.layer_norm_fwd(x, w, b)
+    stats_close(rstd, rr, dtype, scale=np.abs(rr), what="rstd")
+    stats_close(mean, mr, dtype, scale=np.abs(mr), what="mean")
+    # y: the conditioned bound (conftest): ~8 accumulator ulps of |x| ~ 1e4
+    assert_close(y, yr, cond=ln_fwd_cond(x, w, rr), what="y")
+    # and y really is normalized (weight None): zero mean, unit variance per row
+    y1 = nf.layer_norm_fwd(x)[0].astype(np.float64)
+    eps_acc = float(np.finfo(acc_dtype(dtype)).eps)
+    off = 8 * eps_acc * ln_fwd_cond(x, None, rr)[..., 0]
+    assert np.all(np.abs(y1.mean(-1)) <= off), "normalized rows are not centred"
+    want_var = x.astype(np.float64).var(-1) * rr ** 2
+    assert np.all(np.abs(y1.var(-1) - want_var) <= 3 * TOL[acc_dtype(dtype)]), \
+        "normalized rows do not have unit variance"
+    dy = draw(rng, shape, dtype)
+    _ln_bwd_check(dtype, shape, dy, x, w, b, mean, rstd)
+
+
+@pytest.mark.parametrize("scale", [1e4, 1e-3])
+@dtypes
+def test_rms_norm_scaled_rows(rng, dtype, scale):
+    x = draw(rng, (8, 1000), dtype, scale=scale)
+    y, rstd = nf.rms_norm_fwd(x, out=poisoned(x.shape, dtype))
+    yr, rr = ref.rms_norm_fwd(x)
+    stats_close(rstd, rr, dtype, scale=np.abs(rr), what="rstd")
+    assert_close(y, yr, what="y")
+
+
+# ================================================================== empty
+EMPTY_SHAPES = [(0, 5), (2, 0, 7), (0, 1)]
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
+@dtypes
+def test_empty_inputs(dtype, shape):
+    cols = shape[-1]
+    x = np.ones(shape, dtype)
+    w = np.ones(cols, dtype)
+    b = np.ones(cols, F32)
+    acc = acc_dtype(dtype)
+    y = nf.softmax_fwd(x)
+    assert y.shape == shape and y.dtype == dtype
+    dx = nf.softmax_bwd(y, x)
+    assert dx.shape == shape and dx.dtype == dtype
+    y, rstd = nf.rms_norm_fwd(x, w)
+    assert y.shape == shape and y.dtype == dtype
+    assert rstd.shape == shape[:-1] and rstd.dtype == acc
+    dx, dw = nf.rms_norm_bwd(x, x, w, rstd)
+    assert dx.shape == shape and dx.dtype == dtype
+    assert dw.dtype == w.dtype and dw.shape == (cols,) and np.all(dw == 0)
+    assert nf.rms_norm_bwd(x, x, None, rstd)[1] is None
+    y, mean, rstd = nf.layer_norm_fwd(x, w, b)
+    assert y.shape == shape and mean.shape == rstd.shape == shape[:-1]
+    assert mean.dtype == rstd.dtype == acc
+    dx, dw, db = nf.layer_norm_bwd(x, x, w, b, mean, rstd, out=np.empty(shape, dtype))
+    assert dx.shape == shape
+    assert dw.dtype == dtype and db.dtype == F32
+    assert np.all(dw == 0) and np.all(db == 0) and dw.shape == db.shape == (cols,)
+
+
+@dtypes
+def test_empty_rows(dtype):
+    """Zero columns: empty y; statistics of an empty row are NaN (documented)."""
+    x = np.ones((3, 0), dtype)
+    assert nf.softmax_fwd(x).shape == (3, 0)
+    y, rstd = nf.rms_norm_fwd(x)
+    assert y.shape == (3, 0) and rstd.shape == (3,) and np.all(np.isnan(rstd))
+    y, mean, rstd = nf.layer_norm_fwd(x, np.ones(0, dtype))
+    assert y.shape == (3, 0) and np.all(np.isnan(mean)) and np.all(np.isnan(rstd))
+    dx, dw, db = nf.layer_norm_bwd(x, x, np.ones(0, dtype), None, mean, rstd)
+    assert dx.shape == (3, 0) and dw.shape == (0,) and db is None
+
+
+# ============================================================ determinism
+@pytest.mark.parametrize("pkind", ["x", "f32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
+def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind):
+    """dweight/dbias: the same bits on every run and for 1 and 2 threads."""
+    if restore_threads < 2:
+        pytest.skip("numba has fewer than 2 threads")
+    shape = (777, 130)           # > SERIAL_BELOW elements: the parallel kernels
+    x = draw(rng, shape, dtype, loc=0.3)
+    w = draw_param(rng, shape[-1], pkind, dtype)
+    b = draw_param(rng, shape[-1], pkind, dtype, loc=0.0)
+    dy = draw(rng, shape, dtype)
+    if op == "rms_norm_bwd":
+        d = dict(dy=dy, x=x, weight=w, rstd=nf.rms_norm_fwd(x, w)[1])
+    else:
+        _, mean, rstd = nf.layer_norm_fwd(x, w, b)
+        d = dict(dy=dy, x=x, weight=w, bias=b, mean=mean, rstd=rstd)
+    results = []
+    for n in (1, 2, 2, 1):
+        numba.set_num_threads(n)
+        results.append(_call(op, d))
+    for other in results[1:]:
+        for g, w0 in zip(other, results[0]):
+            assert_bits_equal(g, w0, f"{op} across thread counts")
+    # the forward too
+    numba.set_num_threads(1)
+    f1 = nf.layer_norm_fwd(x, w, b)
+    numba.set_num_threads(2)
+    f2 = nf.layer_norm_fwd(x, w, b)
+    for a, c in zip(f1, f2):
+        assert_bits_equal(a, c, "layer_norm_fwd across thread counts")
