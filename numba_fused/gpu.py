@@ -325,23 +325,32 @@ class Config:
 
 
 class Table:
-    """Block shape by row length. With chunks = cols / W:
+    """Block shape by row length. chunks = ceil(cols / W); per = chunks a thread may
+    hold: cap / W forward, pcap / W backward (at least 1).
 
-    ======================  ==========================  ===============================
-    chunks                  threads                     registers
-    ======================  ==========================  ===============================
-    <= warp * 4             a warp per row, ``rpb``     forward: NV = next_pow2(chunks
-                            rows per block              / G) slots if NV*W <= ``cap``
-    <= t * 4, t in sizes    one block of t threads      else streaming; backward:
-                            per row (smallest t)        partials in registers if
-    larger                  one block of max(sizes)     NV*W <= ``pcap`` per parameter
-    ======================  ==========================  ===============================
+    =========================  =====================================================
+    chunks                     threads per row
+    =========================  =====================================================
+    <= warp * per              a warp per row, ``rpb`` rows per block
+    <= t * per, t in sizes     one block of t threads (the smallest such t)
+    larger                     one block of max(sizes) threads
+    =========================  =====================================================
 
-    Backward uses chunks <= t * ``pcap`` / W (so the partials fit) in place of t * 4.
-    Hardware: warp 32, rpb 4, sizes 128..1024, cap 32 (16 for float64), pcap 16 (8):
-    forward rows stay in registers up to 32,768 columns (16,384 float64), backward
-    partials up to 16,384 (8,192). The simulator uses a tiny table (block size is a
-    parameter): warp 4, rpb 2, sizes 8/16, cap 4, pcap 4.
+    NV = next_pow2(ceil(chunks / threads)). Forward: the row stays in registers
+    (NV chunk slots) if NV * W <= cap, else the streaming loop (NV = 0). Backward: the
+    dweight/dbias partials stay in registers if NV * W <= pcap (split between the
+    parameters present, never below W), else the partial rows live in global memory.
+    cap/pcap count accumulator values per thread; float64 uses cap/8 and pcap/4.
+
+    Hardware: warp 32, rpb 4, sizes 128..1024, cap 16, pcap 8, with at most 64
+    registers a thread (see ``launch_bounds``); every configuration is spill-free per
+    ptxas (tests/test_gpu_ptx.py). Forward rows stay in registers up to 16,384
+    columns (float64: 2,048); backward partials up to 8,192 (float64 2,048; LayerNorm
+    with both parameters, float32: 4,096). bf16 forward: 1024 cols -> 128 threads,
+    4096 -> 256, 8192 -> 512, 16384 -> 1024 (all cached), 32768 and up -> 1024
+    streaming. bf16 backward: 1024 -> 128, 4096 -> 512, 8192+ -> 1024.
+    The simulator uses a tiny table (block size is a parameter): warp 4, rpb 2,
+    sizes 8/16, cap 4, pcap 4.
     """
 
     def __init__(self, warp, rpb, sizes, cap, pcap):
@@ -355,18 +364,18 @@ class Table:
                 return t, 1
         return self.sizes[-1], 1
 
-    def choose(self, cols, W, f64, backward=False):
-        cap = self.cap // 2 if f64 else self.cap
-        pcap = max(self.pcap // 2 if f64 else self.pcap, W)
+    def choose(self, cols, W, f64, backward=False, nparams=1):
+        cap = self.cap // 8 if f64 else self.cap
+        pcap = max((self.pcap // 4 if f64 else self.pcap) // max(nparams, 1), W)
         chunks = -(-cols // W)
-        per = max(pcap // W, 1) if backward else 4
+        per = max((pcap if backward else cap) // W, 1)
         G, rpb = self._threads(chunks, per)
         nv = 1 << max(0, (-(-chunks // G) - 1).bit_length())
         limit = pcap if backward else cap
         return Config(G, rpb, W, nv if nv * W <= limit else 0)
 
 
-HW_TABLE = Table(warp=32, rpb=4, sizes=(128, 256, 512, 1024), cap=32, pcap=16)
+HW_TABLE = Table(warp=32, rpb=4, sizes=(128, 256, 512, 1024), cap=16, pcap=8)
 SIM_TABLE = Table(warp=4, rpb=2, sizes=(8, 16), cap=4, pcap=4)
 TABLE = SIM_TABLE if SIM else HW_TABLE
 
@@ -445,10 +454,17 @@ def _make_reducers(G, RPB, ACC, warp):
 
 
 # ============================================================ kernel factories
+def launch_bounds(tpb):
+    """(max threads per block, min blocks per SM): at least 1024 resident threads per
+    SM, i.e. at most 64 registers a thread (the table keeps every kernel spill-free
+    there; tests/test_gpu_ptx.py checks it with ptxas via nvJitLink)."""
+    return (tpb, max(1, 1024 // tpb))
+
+
 def _jit(tpb):
     if SIM:
         return cuda.jit
-    return cuda.jit(launch_bounds=(tpb,))
+    return cuda.jit(launch_bounds=launch_bounds(tpb))
 
 
 def _softmax_fwd_src(cfg, ACC, group_sum, group_max, NS, nbuf):
@@ -488,7 +504,7 @@ def _softmax_fwd_src(cfg, ACC, group_sum, group_max, NS, nbuf):
                         if CACHED:
                             buf[k * W + j] = v
                         if v > m:               # online max/sum; NaN/inf propagate
-                            s = s * math.exp(m - v) + math.exp(v - v)
+                            s = s * math.exp(m - v) + (v - v + one)   # NaN if v = inf
                             m = v
                         else:
                             d = v - m
@@ -868,7 +884,7 @@ def kernel_source(op, cfg, acc, **flags):
                           flags["need_db"])
     else:
         raise KeyError(op)
-    return f, cfg.tpb
+    return f, launch_bounds(cfg.tpb)
 
 
 def _kernel(op, cfg, acc, **flags):
@@ -878,8 +894,8 @@ def _kernel(op, cfg, acc, **flags):
         with _CACHE_LOCK:
             k = _CACHE.get(key)
             if k is None:
-                f, tpb = kernel_source(op, cfg, acc, **flags)
-                k = _CACHE[key] = _jit(tpb)(f)
+                f, _ = kernel_source(op, cfg, acc, **flags)
+                k = _CACHE[key] = _jit(cfg.tpb)(f)
     return k
 
 
@@ -1024,8 +1040,9 @@ class _Kernels:
         s = _stream(stream)
         W = _vec_width([x, dy, dx], [weight], cols)
         acc = _acc_np(x.dtype)
-        cfg = TABLE.choose(cols, W, acc is np.float64, backward=True)
         need_dw, need_db = dweight is not None, dbias is not None
+        cfg = TABLE.choose(cols, W, acc is np.float64, backward=True,
+                           nparams=int(need_dw) + int(need_db))
         flags = dict(has_w=weight is not None)
         if op == "layer_norm_bwd":
             flags.update(need_dw=need_dw, need_db=need_db)
