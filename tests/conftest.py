@@ -127,9 +127,9 @@ def as_layout(a, layout, fill=np.nan):
     """A view with ``a``'s values and the requested memory layout. Gaps of
     strided views are filled with ``fill`` (NaN): a kernel reading them shows."""
     if layout == "C":
-        return np.ascontiguousarray(a)
+        return np.array(a, order="C")
     if layout == "F":
-        return np.asfortranarray(a)
+        return np.array(a, order="F")
     if layout == "rows2":          # x[::2] over the first axis
         buf = np.full((2 * a.shape[0],) + a.shape[1:], fill, a.dtype)
         buf[::2] = a
@@ -265,6 +265,75 @@ def softmax_bwd_cond(y, dy):
 def param_grad_scale(terms, cols):
     """sum over rows of |terms| per column (the dweight/dbias scale)."""
     return np.abs(np.asarray(terms, np.float64)).reshape(-1, cols).sum(axis=0)
+
+
+# ------------------------------------------------------ per-op checking
+def stats_scale(x):
+    """mean's per-row scale: the row's max |x|."""
+    return row_scale(x)[..., 0]
+
+
+def check_param_grad(got, reference, param, scale, what):
+    if param is None:
+        assert got is None, f"{what} must be None when its parameter is None"
+        return
+    assert got is not None, f"{what} is None"
+    assert got.dtype == param.dtype and got.shape == param.shape, (got.dtype, got.shape)
+    assert_close(got, reference, scale=scale, what=what)
+
+
+def call_op(op, d, out=None):
+    f = getattr(nf, op)
+    if op == "softmax_fwd":
+        r = f(d["x"], out=out)
+    elif op == "softmax_bwd":
+        r = f(d["y"], d["dy"], out=out)
+    elif op == "rms_norm_fwd":
+        r = f(d["x"], d["weight"], out=out)
+    elif op == "rms_norm_bwd":
+        r = f(d["dy"], d["x"], d["weight"], d["rstd"], out=out)
+    elif op == "layer_norm_fwd":
+        r = f(d["x"], d["weight"], d["bias"], out=out)
+    else:
+        r = f(d["dy"], d["x"], d["weight"], d["bias"], d["mean"], d["rstd"], out=out)
+    return r if isinstance(r, tuple) else (r,)
+
+
+def check_op(op, d, got):
+    """Every output of ``op`` on the named inputs ``d`` against the reference."""
+    x = d.get("x")
+    if op == "softmax_fwd":
+        assert_close(got[0], ref.softmax_fwd(x), what="y")
+    elif op == "softmax_bwd":
+        y, dy = d["y"], d["dy"]
+        assert_close(got[0], ref.softmax_bwd(y, dy), cond=softmax_bwd_cond(y, dy), what="dx")
+    elif op == "rms_norm_fwd":
+        yr, rr = ref.rms_norm_fwd(x, d["weight"])
+        assert_close(got[0], yr, what="y")
+        stats_close(got[1], rr, x.dtype, scale=np.abs(rr), what="rstd")
+    elif op == "layer_norm_fwd":
+        yr, mr, rr = ref.layer_norm_fwd(x, d["weight"], d["bias"])
+        assert_close(got[0], yr, cond=ln_fwd_cond(x, d["weight"], rr), what="y")
+        stats_close(got[1], mr, x.dtype, scale=stats_scale(x), what="mean")
+        stats_close(got[2], rr, x.dtype, scale=np.abs(rr), what="rstd")
+    else:
+        dy, w, rstd = d["dy"], d["weight"], d["rstd"]
+        mean = d.get("mean")
+        m = 0.0 if mean is None else np.asarray(mean, np.float64)[..., None]
+        xhat = (x.astype(np.float64) - m) * np.asarray(rstd, np.float64)[..., None]
+        cols = x.shape[-1]
+        if op == "rms_norm_bwd":
+            dxr, dwr = ref.rms_norm_bwd(dy, x, w, rstd)
+            dbr = None
+        else:
+            dxr, dwr, dbr = ref.layer_norm_bwd(dy, x, w, d["bias"], mean, rstd)
+        assert_close(got[0], dxr, cond=norm_bwd_cond(dy, x, w, mean, rstd), what="dx")
+        check_param_grad(got[1], dwr, w,
+                          param_grad_scale(dy.astype(np.float64) * xhat, cols), "dweight")
+        if op == "layer_norm_bwd":
+            check_param_grad(got[2], dbr, d["bias"],
+                              param_grad_scale(dy.astype(np.float64), cols), "dbias")
+
 
 
 # ------------------------------------------------------------- fixtures

@@ -10,7 +10,8 @@ from conftest import (BF16, DTYPES, F16, F32, F64, HALVES, LAYOUTS, TOL, acc_dty
                       as_layout, assert_bits_equal, assert_close, assert_rel_elementwise,
                       assert_unmodified, copies, draw, draw_param, dtype_id, is_half,
                       ln_fwd_cond, norm_bwd_cond, param_grad_scale, poisoned, row_scale,
-                      softmax_bwd_cond, stats_close)
+                      softmax_bwd_cond, stats_close, stats_scale, check_param_grad, call_op,
+                      check_op)
 
 SHAPES = [(7,), (1, 1), (3, 5, 129), (64, 1000), (2, 4099),
           (4, 1), (4, 2), (5, 7), (4, 64), (3, 1000)]
@@ -20,20 +21,6 @@ shapes = pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 W_KINDS = [None, "x", "f32"]
 WB_KINDS = [(None, None), ("x", "x"), ("f32", "f32"), ("x", None), (None, "f32")]
 RMS_EPS, LN_EPS = 1e-6, 1e-5
-
-
-def _stats_scale(x):
-    """mean's per-row scale: the row's max |x|."""
-    return row_scale(x)[..., 0]
-
-
-def _check_param_grad(got, reference, param, scale, what):
-    if param is None:
-        assert got is None, f"{what} must be None when its parameter is None"
-        return
-    assert got is not None, f"{what} is None"
-    assert got.dtype == param.dtype and got.shape == param.shape, (got.dtype, got.shape)
-    assert_close(got, reference, scale=scale, what=what)
 
 
 # ==================================================================== softmax
@@ -108,7 +95,7 @@ def test_rms_norm_bwd(rng, dtype, shape, wkind):
     dxr, dwr = ref.rms_norm_bwd(dy, x, w, rstd)
     assert_close(dx, dxr, cond=norm_bwd_cond(dy, x, w, None, rstd), what="dx")
     xhat = x.astype(np.float64) * np.asarray(rstd, np.float64)[..., None]
-    _check_param_grad(dw, dwr, w, param_grad_scale(dy.astype(np.float64) * xhat, shape[-1]),
+    check_param_grad(dw, dwr, w, param_grad_scale(dy.astype(np.float64) * xhat, shape[-1]),
                       "dweight")
     dx2, dw2 = nf.rms_norm_bwd(dy, x, w, rstd)
     assert_bits_equal(dx2, dx, "rms_norm_bwd without out")
@@ -132,7 +119,7 @@ def test_layer_norm_fwd(rng, dtype, shape, wb):
     assert_unmodified(orig, ins, ["x", "weight", "bias"])
     yr, mr, rr = ref.layer_norm_fwd(x, w, b, LN_EPS)
     assert mean.shape == rstd.shape == shape[:-1]
-    stats_close(mean, mr, dtype, scale=_stats_scale(x), what="mean")
+    stats_close(mean, mr, dtype, scale=stats_scale(x), what="mean")
     stats_close(rstd, rr, dtype, scale=np.abs(rr), what="rstd")
     assert_close(y, yr, cond=ln_fwd_cond(x, w, rr), what="y")
     y2, mean2, rstd2 = nf.layer_norm_fwd(x, w, b, LN_EPS)
@@ -155,8 +142,8 @@ def _ln_bwd_check(dtype, shape, dy, x, w, b, mean, rstd):
     xhat = ((x.astype(np.float64) - np.asarray(mean, np.float64)[..., None])
             * np.asarray(rstd, np.float64)[..., None])
     cols = shape[-1]
-    _check_param_grad(dw, dwr, w, param_grad_scale(dy64 * xhat, cols), "dweight")
-    _check_param_grad(db, dbr, b, param_grad_scale(dy64, cols), "dbias")
+    check_param_grad(dw, dwr, w, param_grad_scale(dy64 * xhat, cols), "dweight")
+    check_param_grad(db, dbr, b, param_grad_scale(dy64, cols), "dbias")
     return dx, dw, db
 
 
@@ -267,23 +254,6 @@ def _make_case(op, rng, shape, dtype):
     return dict(dy=dy, x=x, weight=w, bias=b, mean=mean, rstd=rstd)
 
 
-def _call(op, d, out=None):
-    f = getattr(nf, op)
-    if op == "softmax_fwd":
-        r = f(d["x"], out=out)
-    elif op == "softmax_bwd":
-        r = f(d["y"], d["dy"], out=out)
-    elif op == "rms_norm_fwd":
-        r = f(d["x"], d["weight"], out=out)
-    elif op == "rms_norm_bwd":
-        r = f(d["dy"], d["x"], d["weight"], d["rstd"], out=out)
-    elif op == "layer_norm_fwd":
-        r = f(d["x"], d["weight"], d["bias"], out=out)
-    else:
-        r = f(d["dy"], d["x"], d["weight"], d["bias"], d["mean"], d["rstd"], out=out)
-    return r if isinstance(r, tuple) else (r,)
-
-
 OPS = ["softmax_fwd", "softmax_bwd", "rms_norm_fwd", "rms_norm_bwd",
        "layer_norm_fwd", "layer_norm_bwd"]
 BWD_OPS = ["softmax_bwd", "rms_norm_bwd", "layer_norm_bwd"]
@@ -305,42 +275,6 @@ def _relayout(d, layout):
     return out
 
 
-def check_op(op, d, got):
-    """Every output of ``op`` on the named inputs ``d`` against the reference."""
-    x = d.get("x")
-    if op == "softmax_fwd":
-        assert_close(got[0], ref.softmax_fwd(x), what="y")
-    elif op == "softmax_bwd":
-        y, dy = d["y"], d["dy"]
-        assert_close(got[0], ref.softmax_bwd(y, dy), cond=softmax_bwd_cond(y, dy), what="dx")
-    elif op == "rms_norm_fwd":
-        yr, rr = ref.rms_norm_fwd(x, d["weight"])
-        assert_close(got[0], yr, what="y")
-        stats_close(got[1], rr, x.dtype, scale=np.abs(rr), what="rstd")
-    elif op == "layer_norm_fwd":
-        yr, mr, rr = ref.layer_norm_fwd(x, d["weight"], d["bias"])
-        assert_close(got[0], yr, cond=ln_fwd_cond(x, d["weight"], rr), what="y")
-        stats_close(got[1], mr, x.dtype, scale=_stats_scale(x), what="mean")
-        stats_close(got[2], rr, x.dtype, scale=np.abs(rr), what="rstd")
-    else:
-        dy, w, rstd = d["dy"], d["weight"], d["rstd"]
-        mean = d.get("mean")
-        m = 0.0 if mean is None else np.asarray(mean, np.float64)[..., None]
-        xhat = (x.astype(np.float64) - m) * np.asarray(rstd, np.float64)[..., None]
-        cols = x.shape[-1]
-        if op == "rms_norm_bwd":
-            dxr, dwr = ref.rms_norm_bwd(dy, x, w, rstd)
-            dbr = None
-        else:
-            dxr, dwr, dbr = ref.layer_norm_bwd(dy, x, w, d["bias"], mean, rstd)
-        assert_close(got[0], dxr, cond=norm_bwd_cond(dy, x, w, mean, rstd), what="dx")
-        _check_param_grad(got[1], dwr, w,
-                          param_grad_scale(dy.astype(np.float64) * xhat, cols), "dweight")
-        if op == "layer_norm_bwd":
-            _check_param_grad(got[2], dbr, d["bias"],
-                              param_grad_scale(dy.astype(np.float64), cols), "dbias")
-
-
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
 @pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=["serial", "parallel"])
 @pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=dtype_id)
@@ -354,7 +288,7 @@ def test_strided_inputs(rng, op, dtype, shape, layout):
     d = _make_case(op, rng, shape, dtype)
     v = _relayout(d, layout)
     orig = copies(*v.values())
-    got = _call(op, v)
+    got = call_op(op, v)
     check_op(op, d, got)
     assert_unmodified(orig, list(v.values()), list(v))
 
@@ -369,7 +303,7 @@ def test_strided_out(rng, op, dtype, shape, layout):
     out = as_layout(poisoned(shape, dtype), layout)
     base = out.base if out.base is not None else out
     nan_before = np.isnan(base.astype(np.float32)).sum()
-    got = _call(op, d, out=out)
+    got = call_op(op, d, out=out)
     assert got[0] is out
     check_op(op, d, got)
     # exactly out's elements were overwritten, nothing else in the buffer
@@ -384,10 +318,10 @@ def test_strided_out(rng, op, dtype, shape, layout):
 def test_inplace_backward_bit_identical(rng, op, dtype, shape, layout):
     d = _make_case(op, rng, shape, dtype)
     d = {k: (as_layout(v, layout) if k in ROW_ARGS else v) for k, v in d.items()}
-    want = _call(op, d, out=poisoned(shape, dtype))
+    want = call_op(op, d, out=poisoned(shape, dtype))
     dy = d["dy"]
     others = {k: v.copy() for k, v in d.items() if k != "dy" and v is not None}
-    got = _call(op, d, out=dy)
+    got = call_op(op, d, out=dy)
     assert got[0] is dy
     for g, w in zip(got, want):
         if w is None:
@@ -597,7 +531,7 @@ def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind):
     results = []
     for n in (1, 2, 2, 1):
         numba.set_num_threads(n)
-        results.append(_call(op, d))
+        results.append(call_op(op, d))
     for other in results[1:]:
         for g, w0 in zip(other, results[0]):
             assert_bits_equal(g, w0, f"{op} across thread counts")
