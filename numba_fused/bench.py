@@ -195,13 +195,10 @@ def _cpu_copy_kernel():
 
         @numba.njit(parallel=True, nogil=True, cache=True)
         def par_copy(src, dst):
-            n = src.shape[0]
-            nblk = (n + 4095) // 4096
-            for b in numba.prange(nblk):
-                lo = b * 4096
-                hi = min(lo + 4096, n)
-                for i in range(lo, hi):
-                    dst[i] = src[i]
+            # numba splits the range into one contiguous chunk per thread; the
+            # body vectorizes (a blocked loop with a min() bound did not).
+            for i in numba.prange(src.shape[0]):
+                dst[i] = src[i]
         _COPY_KERNEL = par_copy
     return _COPY_KERNEL
 
@@ -738,6 +735,19 @@ def run(cfg):
             except ImportError:
                 missing[p] = f"not installed ({hint})"
                 note(f"peer {p}: not installed ({hint}); skipped")
+    import numba
+    saved_threads = numba.get_num_threads()
+    torch_mod = sys.modules.get("torch")
+    saved_torch = torch_mod.get_num_threads() if torch_mod is not None else None
+    try:
+        return _run(cfg, log, note, notes, devices, wanted, missing, seed, rng)
+    finally:
+        numba.set_num_threads(saved_threads)
+        if saved_torch is not None:
+            torch_mod.set_num_threads(saved_torch)
+
+
+def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng):
     if cfg.threads is not None:
         set_threads(cfg.threads)
         if "jax" in wanted and "jax" not in missing:
