@@ -154,7 +154,7 @@ def ulp(v, dtype):
     fi = ml_dtypes.finfo(np.dtype(dtype))
     v = np.abs(np.asarray(v, np.float64))
     _, e = np.frexp(v)              # v = m * 2**e, m in [0.5, 1)
-    e = np.maximum(e - 1, fi.minexp)
+    e = np.where(v == 0, fi.minexp, np.maximum(e - 1, fi.minexp))   # frexp(0) = (0, 0)
     return np.ldexp(1.0, (e - fi.nmant).astype(np.int32))
 
 

@@ -542,3 +542,17 @@ def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind):
     f2 = nf.layer_norm_fwd(x, w, b)
     for a, c in zip(f1, f2):
         assert_bits_equal(a, c, "layer_norm_fwd across thread counts")
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-2, 1.0, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_eps_values(rng, dtype, eps):
+    x = draw(rng, (5, 65), dtype, scale=0.3)
+    y, rstd = nf.rms_norm_fwd(x, None, eps, out=poisoned(x.shape, dtype))
+    yr, rr = ref.rms_norm_fwd(x, None, eps)
+    stats_close(rstd, rr, dtype, scale=np.abs(rr), what="rstd")
+    assert_close(y, yr, what="rms y")
+    y, mean, rstd = nf.layer_norm_fwd(x, None, None, eps, out=poisoned(x.shape, dtype))
+    yr, mr, rr = ref.layer_norm_fwd(x, None, None, eps)
+    stats_close(rstd, rr, dtype, scale=np.abs(rr), what="rstd")
+    assert_close(y, yr, cond=ln_fwd_cond(x, None, rr), what="ln y")
