@@ -91,6 +91,7 @@ class Config:
     threads: int = None
     seed: int = None
     alloc: bool = False          # numba_fused allocates its outputs (no out=)
+    weight_dtype: str = "same"   # weight/bias dtype: "same" as x, or "float32"
     quiet: bool = False
     argv: list = field(default_factory=list)
 
@@ -420,6 +421,8 @@ def torch_impl(op, direction, inp, ctx):
         import torch.nn.functional as F
     except ImportError:
         raise Unavailable("not installed (pip install torch)") from None
+    import warnings    # bf16 x with float32 weight: "Cannot dispatch to fused ..."
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     dev = "cuda" if ctx["device"] == "gpu" else "cpu"
     if dev == "cuda" and not torch.cuda.is_available():
         raise Unavailable("this torch build has no CUDA")
@@ -761,7 +764,8 @@ def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng):
     for i, (dev, op, direction, dtype, shape) in enumerate(cases, 1):
         label = f"{dev} {op} {direction} {dtype} {'x'.join(map(str, shape))}"
         log(f"[{i}/{len(cases)}] {label}")
-        inp, ref = make_inputs(op, direction, dtype, shape, rng)
+        inp, ref = make_inputs(op, direction, dtype, shape, rng,
+                               None if cfg.weight_dtype == "same" else cfg.weight_dtype)
         nbytes = traffic_bytes(op, direction, inp)
         ctx = {"device": dev, "alloc": cfg.alloc}
         want, _ = _peer_list(cfg, dev)
@@ -825,6 +829,7 @@ def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng):
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["numba-fused"] + list(cfg.argv)),
             "seed": seed, "repeat": cfg.repeat, "alloc": cfg.alloc,
+            "weight_dtype": cfg.weight_dtype,
             "wall_s": time.perf_counter() - t_start,
             "tolerances": dict(TOLERANCES), "machine": machine_info()}
     return {"meta": meta, "records": records, "notes": notes}

@@ -48,7 +48,8 @@ Implementations
                 run once at setup; fwd+bwd: one jitted forward + vjp.
   cupy (GPU)    the composed formulas in CuPy (no bfloat16).
 A peer that is not installed is skipped with a one-line note.
-Weights and biases are in the input's dtype (bfloat16 on a GPU: uint16 bits).
+Weights and biases are in the input's dtype (bfloat16 on a GPU: uint16 bits), or
+float32 with --weight-dtype float32.
 Inputs are fresh normal random numbers (--seed to repeat them).
 
 Progress goes to stderr, the table to stdout.
@@ -185,6 +186,9 @@ def build_parser():
     b.add_argument("--seed", type=int, default=None, help="random seed for the inputs")
     b.add_argument("--alloc", action="store_true",
                    help="numba_fused allocates its outputs each call (no out=)")
+    b.add_argument("--weight-dtype", choices=("same", "float32"), default="same",
+                   help="weight/bias dtype: the input's (default) or float32 (mixed "
+                        "precision: float32 master weights, 16-bit activations)")
     b.add_argument("--json", metavar="FILE", help="write the records and machine info")
     b.add_argument("--csv", metavar="FILE", help="write the records")
     b.add_argument("--plot", metavar="FILE.png",
@@ -225,7 +229,8 @@ def cmd_bench(args, argv):
     cfg = B.Config(ops=args.ops, directions=args.directions, dtypes=args.dtypes,
                    shapes=args.shapes, devices=_devices(args.device), peers=args.peers,
                    repeat=args.repeat, threads=args.threads, seed=args.seed,
-                   alloc=args.alloc, quiet=args.quiet, argv=list(argv))
+                   alloc=args.alloc, weight_dtype=args.weight_dtype, quiet=args.quiet,
+                   argv=list(argv))
     result = B.run(cfg)
     recs = result["records"]
     m = result["meta"]["machine"]

@@ -329,3 +329,14 @@ def test_warmup_missing_is_reported(capsys, monkeypatch):
     monkeypatch.delattr(cpu, "warmup", raising=False)
     assert cli.main(["warmup"]) == 1
     assert "warmup() does not exist" in capsys.readouterr().err
+
+
+def test_float32_weights_for_16_bit_inputs(capsys, tmp_path):
+    j = tmp_path / "r.json"
+    rc, out, _ = _bench(capsys, *TINY, "--ops", "rms_norm,layer_norm", "--dtypes",
+                        "bfloat16", "--weight-dtype", "float32", "--peers", "numpy",
+                        "--json", str(j))
+    assert rc == 0, out
+    recs = json.loads(j.read_text())["records"]
+    assert {r["param_dtype"] for r in recs} == {"float32"}
+    assert all(r["ok"] for r in recs if r["impl"] == "numba_fused")
