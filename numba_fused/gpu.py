@@ -1133,18 +1133,24 @@ class DeviceContext:
 
     @staticmethod
     def _resolve_stream(stream):
+        """None, a numba stream, an object with a ``cuda_stream`` handle (torch) or an
+        int handle (wrapped with ``cuda.external_stream``). The simulator runs every
+        launch synchronously and has no external streams: there an int handle means
+        its one stream."""
         if stream is None:
             return None
-        if isinstance(stream, bool):
-            raise TypeError("stream must be a numba CUDA stream, an object with a "
-                            "cuda_stream handle, or an int handle")
-        if isinstance(stream, (int, np.integer)):
-            return cuda.external_stream(int(stream))
-        if hasattr(stream, "cuda_stream") and not hasattr(stream, "synchronize") \
-                or type(stream).__module__.startswith("torch"):
-            return cuda.external_stream(int(stream.cuda_stream))
-        if SIM or hasattr(stream, "handle"):
-            return stream
+        if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+            return cuda.stream() if SIM else cuda.external_stream(int(stream))
+        if SIM:
+            if isinstance(stream, cuda.stream):
+                return stream
+        else:
+            from numba.cuda.cudadrv.driver import Stream
+            if isinstance(stream, Stream):
+                return stream
+            handle = getattr(stream, "cuda_stream", None)
+            if isinstance(handle, (int, np.integer)):
+                return cuda.external_stream(int(handle))
         raise TypeError(f"stream must be a numba CUDA stream, an object with a cuda_stream "
                         f"handle, or an int handle, got {type(stream).__name__}")
 
