@@ -254,9 +254,12 @@ def ours_impl(op, direction, inp, ctx):
         sync = None
     else:
         from numba import cuda
-        put = lambda a: cuda.to_device(D.to_storage(a))       # noqa: E731
+
+        def bits(dt):       # bfloat16 travels as uint16 bits (+ dtype="bfloat16")
+            return np.dtype(np.uint16) if dt == D.bfloat16 else dt
+        put = lambda a: cuda.to_device(a.view(bits(a.dtype)))  # noqa: E731
         tag = {"dtype": "bfloat16"} if inp["x"].dtype == D.bfloat16 else {}
-        empty = lambda a: cuda.device_array(a.shape, D.storage_dtype(a.dtype))  # noqa
+        empty = lambda a: cuda.device_array(a.shape, bits(a.dtype))  # noqa: E731
         fetch_one = lambda a, dt=inp["x"].dtype: _host(a, dt)  # noqa: E731
         sync = cuda.synchronize
     d = {k: put(v) for k, v in inp.items()}

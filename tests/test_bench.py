@@ -296,15 +296,15 @@ def test_gpu_path_in_the_cuda_simulator(tmp_path):
         "ok, why = B.gpu_available()\n"
         "if not ok: print('SKIP', why); sys.exit(0)\n"
         "sys.exit(cli.main(['bench', '--device', 'gpu', '--ops', 'softmax,rms_norm',"
-        " '--direction', 'fwd', '--dtypes', 'float32,bfloat16', '--shapes', '2x32',"
-        " '--repeat', '1', '--peers', 'none', '--quiet']))\n")
+        " '--direction', 'fwd', '--dtypes', 'float32,bfloat16,float16', '--shapes',"
+        " '2x32', '--repeat', '1', '--peers', 'none', '--quiet']))\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=tmp_path, env=env, timeout=240)
     if p.stdout.startswith("SKIP"):
         pytest.skip(p.stdout.strip())
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [ln.split() for ln in p.stdout.splitlines() if ln.startswith("gpu ")]
-    assert len(rows) == 4 and all(r[-1] == "ok" for r in rows), p.stdout
+    assert len(rows) == 6 and all(r[-1] == "ok" for r in rows), p.stdout
 
 
 # ------------------------------------------------------------------ warmup
