@@ -746,14 +746,14 @@ def run(cfg):
     torch_mod = sys.modules.get("torch")
     saved_torch = torch_mod.get_num_threads() if torch_mod is not None else None
     try:
-        return _run(cfg, log, note, notes, devices, wanted, missing, seed, rng)
+        return _run(cfg, log, note, notes, devices, wanted, missing, seed, rng, load)
     finally:
         numba.set_num_threads(saved_threads)
         if saved_torch is not None:
             torch_mod.set_num_threads(saved_torch)
 
 
-def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng):
+def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng, load):
     if cfg.threads is not None:
         set_threads(cfg.threads)
         if "jax" in wanted and "jax" not in missing:
@@ -832,7 +832,7 @@ def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng):
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["numba-fused"] + list(cfg.argv)),
             "seed": seed, "repeat": cfg.repeat, "alloc": cfg.alloc,
-            "weight_dtype": cfg.weight_dtype,
+            "weight_dtype": cfg.weight_dtype, "loadavg_start": load,
             "wall_s": time.perf_counter() - t_start,
             "tolerances": dict(TOLERANCES), "machine": machine_info()}
     return {"meta": meta, "records": records, "notes": notes}
