@@ -762,7 +762,8 @@ def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng, load):
     cases = [(dev, op, direction, dtype, tuple(shape))
              for dev in devices for dtype in cfg.dtypes for op in cfg.ops
              for direction in cfg.directions for shape in cfg.shapes]
-    records = []
+    records, failures = [], []
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t_start = time.perf_counter()
     for i, (dev, op, direction, dtype, shape) in enumerate(cases, 1):
         label = f"{dev} {op} {direction} {dtype} {'x'.join(map(str, shape))}"
@@ -788,11 +789,15 @@ def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng, load):
                 _warm(impl)
             except Exception as e:  # a peer failing a case is a note, ours an error
                 if name == OURS:
-                    raise
+                    failures.append(f"{label}: {type(e).__name__}: {e}")
+                    log(f"    numba_fused FAILED: {type(e).__name__}: {e}")
+                    break
                 note(f"peer {name} failed on {label}: {type(e).__name__}: {e}")
                 continue
             impls.append(impl)
         del ref
+        if not impls or impls[0].name != OURS:
+            continue
         copy = (cpu_copy_impl if dev == "cpu" else gpu_copy_impl)(nbytes, rng)
         copy.first_s = _call(copy)[1]
         _warm(copy)
@@ -829,13 +834,13 @@ def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng, load):
             + ("" if r["ok"] else "  FAIL"))
         del inp, impls, ours, copy
     meta = {"schema": 1,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": date,
             "command": " ".join(["numba-fused"] + list(cfg.argv)),
             "seed": seed, "repeat": cfg.repeat, "alloc": cfg.alloc,
             "weight_dtype": cfg.weight_dtype, "loadavg_start": load,
             "wall_s": time.perf_counter() - t_start,
             "tolerances": dict(TOLERANCES), "machine": machine_info()}
-    return {"meta": meta, "records": records, "notes": notes}
+    return {"meta": meta, "records": records, "notes": notes, "failures": failures}
 
 
 def _threads():

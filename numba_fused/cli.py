@@ -234,11 +234,14 @@ def cmd_bench(args, argv):
     result = B.run(cfg)
     recs = result["records"]
     m = result["meta"]["machine"]
+    fails = result["failures"]
     if not recs:
         for n in result["notes"]:
             print(f"note: {n}")
+        for f in fails:
+            print(f"numba_fused FAILED: {f}")
         print("numba-fused bench: nothing was run")
-        return 0
+        return 1 if fails else 0
     print(f"# {result['meta']['date']}  {m['cpu']}, {m['cores']} cores, numba "
           f"{m['numba']} ({m['threading_layer']}, {m['numba_threads']} threads), "
           f"numba_fused {m.get('commit') or m.get('numba_fused')}")
@@ -255,8 +258,11 @@ def cmd_bench(args, argv):
     if args.plot:
         B.write_plot(args.plot, recs)
     bad = [r for r in recs if r["impl"] == B.OURS and not r["ok"]]
-    if bad:
-        print(f"error gate: FAIL: {len(bad)} case(s) exceed their dtype's tolerance:")
+    for f in fails:
+        print(f"numba_fused FAILED: {f}")
+    if bad or fails:
+        print(f"error gate: FAIL: {len(bad)} case(s) exceed their dtype's tolerance, "
+              f"{len(fails)} raised:")
         for r in bad:
             print(f"  {r['device']} {r['op']} {r['direction']} {r['dtype']} {r['shape']}: "
                   f"{r['err_output']} error {r['max_err']:.2e} > {r['tol']:.1e}")

@@ -340,3 +340,19 @@ def test_float32_weights_for_16_bit_inputs(capsys, tmp_path):
     recs = json.loads(j.read_text())["records"]
     assert {r["param_dtype"] for r in recs} == {"float32"}
     assert all(r["ok"] for r in recs if r["impl"] == "numba_fused")
+
+
+class _Raising(_Broken):
+    @staticmethod
+    def softmax_bwd(y, dy, out=None, **kw):
+        raise RuntimeError("kernel exploded")
+
+
+def test_a_raising_kernel_fails_the_run_but_not_the_others(capsys, monkeypatch):
+    monkeypatch.setattr(B, "KERNELS", _Raising())
+    rc, out, _ = _bench(capsys, *TINY, "--ops", "softmax", "--dtypes", "float32",
+                        "--direction", "bwd,fwd", "--peers", "numpy")
+    assert rc == 1
+    assert "numba_fused FAILED: cpu softmax bwd float32 8x64: RuntimeError: kernel exploded" in out
+    head, rows = _table_cells(out)
+    assert [(r[1], r[2]) for r in rows] == [("softmax", "fwd")]
