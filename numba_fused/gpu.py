@@ -340,7 +340,8 @@ class Table:
     (NV chunk slots) if NV * W <= cap, else the streaming loop (NV = 0). Backward: the
     dweight/dbias partials stay in registers if NV * W <= pcap (split between the
     parameters present, never below W), else the partial rows live in global memory.
-    cap/pcap count accumulator values per thread; float64 uses cap/8 and pcap/4.
+    cap/pcap count accumulator values per thread; float64 uses cap/8 and pcap/4,
+    scalar chunks (W = 1: one 64-bit address each) cap/4.
 
     Hardware: warp 32, rpb 4, sizes 128..1024, cap 16, pcap 8, with at most 64
     registers a thread (see ``launch_bounds``); every configuration is spill-free per
@@ -365,7 +366,7 @@ class Table:
         return self.sizes[-1], 1
 
     def choose(self, cols, W, f64, backward=False, nparams=1):
-        cap = self.cap // 8 if f64 else self.cap
+        cap = self.cap // 8 if f64 else self.cap // (4 if W == 1 else 1)
         pcap = max((self.pcap // 4 if f64 else self.pcap) // max(nparams, 1), W)
         chunks = -(-cols // W)
         per = max((pcap if backward else cap) // W, 1)

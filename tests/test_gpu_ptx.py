@@ -1,0 +1,191 @@
+"""Every GPU kernel x dtype compiles for the real CUDA target (NVVM, no GPU needed),
+and the PTX / SASS show what the design promises:
+
+* ``shfl.sync`` in every row kernel (warp-shuffle reductions);
+* no local memory in the PTX (``.local``: the register caches and partial rows were
+  promoted to registers);
+* 16-byte vector loads and stores (``ld.global.v2/.v4``, ``st.global.v2/.v4``) in
+  the vectorized configurations;
+* float64 arithmetic in the float64 kernels and none in the float32/half ones
+  (float32 accumulation for halves; the seed bug was f64 kernels accumulating in
+  float);
+* with nvJitLink (numba-cuda[cu13] ships it): ptxas reports no spills and at most
+  64 registers a thread (the launch bounds the table was sized for).
+
+Skipped when numba-cuda's NVVM is not installed; CI installs numba-cuda[cu13].
+"""
+import re
+
+import numpy as np
+import pytest
+
+cuda = pytest.importorskip("numba.cuda")
+from numba import types  # noqa: E402
+
+from numba_fused import gpu  # noqa: E402
+
+if gpu.SIM:
+    pytest.skip("NUMBA_ENABLE_CUDASIM is set: no real CUDA target", allow_module_level=True)
+
+
+def _nvvm_works():
+    def k(a):
+        a[0] = 1.0
+    try:
+        cuda.compile_ptx(k, (types.float32[::1],), cc=(8, 0))
+        return None
+    except Exception as e:       # NvvmSupportError, missing libnvvm, ...
+        return f"{type(e).__name__}: {e}"
+
+
+_why = _nvvm_works()
+if _why:
+    pytest.skip(f"numba-cuda NVVM unavailable ({_why[:200]})", allow_module_level=True)
+
+OPS = ["softmax_fwd", "softmax_bwd", "rms_norm_fwd", "rms_norm_bwd",
+       "layer_norm_fwd", "layer_norm_bwd"]
+FWD = {"softmax_fwd", "rms_norm_fwd", "layer_norm_fwd"}
+STORAGE = {"f32": types.float32, "f64": types.float64, "f16": types.int16,
+           "bf16": types.uint16}
+FLAGS = {"softmax_fwd": {}, "softmax_bwd": {}, "rms_norm_fwd": dict(has_w=True),
+         "rms_norm_bwd": dict(has_w=True),
+         "layer_norm_fwd": dict(has_w=True, has_b=True),
+         "layer_norm_bwd": dict(has_w=True, need_dw=True, need_db=True)}
+# (label, cols, vectorized): register-cached, streaming, and scalar (misaligned cols)
+SHAPES = [("cached", 4096, True), ("stream", 262144, True), ("scalar", 4097, False)]
+CCS = [(8, 0), (9, 0)]
+
+
+def _signature(op, st, wst):
+    acc = types.float64 if st == types.float64 else types.float32
+    a3 = st[:, :, ::1]
+    w = wst[::1]
+    s1 = acc[::1]
+    p2 = acc[:, ::1]
+    return {"softmax_fwd": (a3, a3), "softmax_bwd": (a3, a3, a3),
+            "rms_norm_fwd": (a3, w, types.float64, a3, s1),
+            "layer_norm_fwd": (a3, w, w, types.float64, a3, s1, s1),
+            "rms_norm_bwd": (a3, a3, w, s1, s1, a3, p2, p2),
+            "layer_norm_bwd": (a3, a3, w, s1, s1, a3, p2, p2)}[op]
+
+
+def _config(op, dt, cols, vec):
+    st = STORAGE[dt]
+    W = 16 // (st.bitwidth // 8) if vec else 1
+    nparams = 2 if op == "layer_norm_bwd" else 1
+    return gpu.HW_TABLE.choose(cols, W, dt == "f64", backward=op.endswith("bwd"),
+                               nparams=nparams)
+
+
+_PTX = {}
+
+
+def ptx_of(op, dt, shape, cc, wdt=None):
+    key = (op, dt, shape, cc, wdt)
+    if key not in _PTX:
+        label, cols, vec = next(s for s in SHAPES if s[0] == shape)
+        cfg = _config(op, dt, cols, vec)
+        acc = np.float64 if dt == "f64" else np.float32
+        f, lb = gpu.kernel_source(op, cfg, acc, **FLAGS[op])
+        st = STORAGE[dt]
+        sig = _signature(op, st, STORAGE[wdt] if wdt else st)
+        _PTX[key] = (cuda.compile_ptx(f, sig, cc=cc, launch_bounds=lb)[0], cfg)
+    return _PTX[key]
+
+
+CASES = ([(op, dt, "cached", cc) for op in OPS for dt in STORAGE for cc in CCS]
+         + [(op, dt, shape, (9, 0)) for op in OPS for dt in ("f32", "f64", "bf16")
+            for shape in ("stream", "scalar")])     # f16 differs from bf16 only in cvt
+
+
+def _ids(c):
+    return f"{c[0]}-{c[1]}-{c[2]}-sm{c[3][0]}{c[3][1]}"
+
+
+_F64_OPS = re.compile(r"\b(add|sub|mul|fma\.rn|div\.rn|sqrt\.rn|rcp\.rn)(\.\w+)*\.f64\b")
+_VLOAD = re.compile(r"\bld\.global(\.\w+)*\.v[24]\.")
+_VSTORE = re.compile(r"\bst\.global(\.\w+)*\.v[24]\.")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_ptx_promises(case):
+    op, dt, shape, cc = case
+    ptx, cfg = ptx_of(op, dt, shape, cc)
+    assert f".target sm_{cc[0]}{cc[1]}" in ptx
+    assert "shfl.sync" in ptx, f"{op}/{dt}/{cfg}: no warp shuffles"
+    assert ".local" not in ptx and "ld.local" not in ptx and "st.local" not in ptx, \
+        f"{op}/{dt}/{cfg}: local memory in the PTX"
+    vec = cfg.W > 1
+    if vec:
+        assert _VLOAD.search(ptx), f"{op}/{dt}/{cfg}: no 16-byte vector loads"
+        assert _VSTORE.search(ptx), f"{op}/{dt}/{cfg}: no 16-byte vector stores"
+    else:
+        assert not _VLOAD.search(ptx), f"{op}/{dt}/{cfg}: vector loads in the scalar path"
+    if dt == "f64":
+        assert _F64_OPS.search(ptx), f"{op}: float64 kernel without float64 arithmetic"
+    else:
+        bad = _F64_OPS.search(ptx)
+        assert not bad, f"{op}/{dt}: float64 arithmetic {bad.group(0)!r} in a float32 path"
+
+
+@pytest.mark.parametrize("op", ["rms_norm_fwd", "layer_norm_fwd", "rms_norm_bwd",
+                                "layer_norm_bwd"])
+@pytest.mark.parametrize("dt", ["bf16", "f16"])
+def test_fp32_weights_with_half_activations(op, dt):
+    ptx, cfg = ptx_of(op, dt, "cached", (9, 0), wdt="f32")
+    assert ".local" not in ptx and _VLOAD.search(ptx) and not _F64_OPS.search(ptx)
+
+
+def test_config_table_variety():
+    """The PTX cases above cover warp... block-per-row, cached and streaming."""
+    cfgs = {ptx_of(*c)[1].key() for c in CASES if c[3] == (9, 0)}
+    assert any(k[3] > 0 for k in cfgs) and any(k[3] == 0 for k in cfgs)
+    assert any(k[2] == 1 for k in cfgs) and any(k[2] > 1 for k in cfgs)
+    short = gpu.HW_TABLE.choose(128, 8, False)
+    assert short.G == 32 and short.RPB == 4      # a warp per row for short rows
+
+
+def _aux_sigs():
+    return [("reduce", (types.float32[:, ::1], types.uint16[::1])),
+            ("reduce", (types.float32[:, ::1], types.float32[::1])),
+            ("reduce", (types.float64[:, ::1], types.float64[::1])),
+            ("reduce", (types.float64[:, ::1], types.float32[::1])),
+            ("fill", (types.uint16[::1], types.uint16)),
+            ("copy4", (types.float32[:, :, :, :], types.float32[:, :, :, ::1]))]
+
+
+@pytest.mark.parametrize("name,sig", _aux_sigs(), ids=lambda v: str(v)[:40])
+def test_aux_kernels_compile(name, sig):
+    src = {"reduce": gpu._reduce_partials_src, "fill": gpu._fill_src,
+           "copy4": gpu._copy4_src}[name]()
+    ptx = cuda.compile_ptx(src, sig, cc=(9, 0))[0]
+    assert ".local" not in ptx
+
+
+# ------------------------------------------------------------- ptxas via nvJitLink
+def _sass_info(ptx, cc):
+    J = pytest.importorskip("cuda.bindings.nvjitlink")
+    opts = [f"-arch=sm_{cc[0]}{cc[1]}", "-Xptxas=-v"]
+    h = J.create(len(opts), opts)
+    try:
+        b = ptx.encode()
+        J.add_data(h, J.InputType.PTX, b, len(b), "kernel.ptx")
+        J.complete(h)
+        n = J.get_info_log_size(h)
+        buf = bytearray(n)
+        J.get_info_log(h, buf)
+    finally:
+        J.destroy(h)
+    log = buf.decode(errors="replace")
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    stack = re.search(r"(\d+) bytes stack frame", log)
+    return regs, spill, int(stack.group(1)) if stack else 0, log
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] == (9, 0)], ids=_ids)
+def test_sass_no_spills(case):
+    ptx, cfg = ptx_of(*case)
+    regs, spill, stack, log = _sass_info(ptx, case[3])
+    assert spill == 0 and stack == 0, f"{case}/{cfg}: {spill} bytes spilled\n{log[-800:]}"
+    assert regs <= 65536 // (cfg.tpb * gpu.launch_bounds(cfg.tpb)[1]), (case, cfg, regs)
