@@ -134,12 +134,73 @@ def _none_to_empty(t, like):
     return like.new_empty((0,)) if t is None else t
 
 
+# ------------------------------------------------- custom ops and the eager path
+#: Plain eager calls skip the torch.library dispatch and its Python autograd
+#: wrapper (about 50-80 us per forward+backward) and run the same implementations
+#: through a torch.autograd.Function with the same setup_context/backward. Anything
+#: else -- torch.compile/export, make_fx, FakeTensor/meta, jit tracing, vmap/grad,
+#: tensor subclasses -- goes through the custom ops. Set False to always use them.
+EAGER_FAST_PATH = True
+
+_IMPLS = {}
+
+
+def _custom_op(name, impl):
+    op = torch.library.custom_op(f"numba_fused::{name}", impl, mutates_args=())
+    _IMPLS[op] = impl
+    return op
+
+
+def _plain(args):
+    """True where the arguments may bypass the dispatcher: eager mode, no tracing,
+    no dispatch mode or functorch transform, plain CPU/CUDA tensors."""
+    if not EAGER_FAST_PATH or torch.compiler.is_compiling() or torch._C._is_tracing() \
+            or torch._C._len_torch_dispatch_stack() \
+            or torch._C._are_functorch_transforms_active():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor
+                                            or not (a.is_cpu or a.is_cuda)):
+            return False
+    return True
+
+
+def _call(op, *args):
+    """A backward op: the implementation directly where plain, else the op."""
+    return _IMPLS[op](*args) if _plain(args) else op(*args)
+
+
+def _forward(op, fn, *args):
+    """A forward op: through ``fn`` (its autograd.Function) where plain and some
+    input needs a gradient, the implementation where plain and none does, else
+    the op (whose registered autograd is the same setup_context/backward)."""
+    if not _plain(args):
+        return op(*args)
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                       for a in args):
+        return fn.apply(*args)
+    return _IMPLS[op](*args)
+
+
+def _function(name, op, setup_context, backward):
+    """The eager autograd.Function of a forward op. Old-style (ctx in forward):
+    with a separate setup_context, Function.apply binds arguments through
+    inspect.signature on every call (~20 us)."""
+    impl = _IMPLS[op]
+
+    def forward(ctx, *args):
+        out = impl(*args)
+        setup_context(ctx, args, out)
+        return out
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
 # ------------------------------------------------------------------ softmax ops
-@torch.library.custom_op("numba_fused::softmax_fwd", mutates_args=())
-def _softmax_fwd(x: Tensor) -> Tensor:
+def _softmax_fwd_impl(x: Tensor) -> Tensor:
     _check_dtype(x, "x")
     y = _empty_out(x)
-    if x.device.type == "cpu":
+    if x.is_cpu:
         _F.softmax_fwd(_np(x), out=_np(y))
     else:
         with _Cuda(x) as c:
@@ -147,22 +208,27 @@ def _softmax_fwd(x: Tensor) -> Tensor:
     return y
 
 
+_softmax_fwd = _custom_op("softmax_fwd", _softmax_fwd_impl)
+
+
 @_softmax_fwd.register_fake
 def _(x):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("numba_fused::softmax_bwd", mutates_args=())
-def _softmax_bwd(y: Tensor, dy: Tensor) -> Tensor:
+def _softmax_bwd_impl(y: Tensor, dy: Tensor) -> Tensor:
     _check_dtype(y, "y")
     dy = dy.to(y.dtype)
     dx = _empty_out(y)
-    if y.device.type == "cpu":
+    if y.is_cpu:
         _F.softmax_bwd(_np(y), _np(dy), out=_np(dx))
     else:
         with _Cuda(y) as c:
             _F.softmax_bwd(c.arr(y), c.arr(dy), out=c.arr(dx), **c.kw)
     return dx
+
+
+_softmax_bwd = _custom_op("softmax_bwd", _softmax_bwd_impl)
 
 
 @_softmax_bwd.register_fake
@@ -178,18 +244,18 @@ def _softmax_backward(ctx, grad):
     (y,) = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
         return None
-    return _softmax_bwd(y, grad)
+    return _call(_softmax_bwd, y, grad)
 
 
 _softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+_SoftmaxFn = _function("_SoftmaxFn", _softmax_fwd, _softmax_setup, _softmax_backward)
 
 
 # ------------------------------------------------------------------ RMSNorm ops
-@torch.library.custom_op("numba_fused::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def _rms_norm_fwd_impl(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     _check_dtype(x, "x")
     y = _empty_out(x)
-    if x.device.type == "cpu":
+    if x.is_cpu:
         _, rstd = _F.rms_norm_fwd(_np(x), None if weight is None else _np(weight), eps,
                                   out=_np(y))
         return y, _from_np(rstd)
@@ -198,17 +264,19 @@ def _rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor,
         return y, c.back(rstd)
 
 
+_rms_norm_fwd = _custom_op("rms_norm_fwd", _rms_norm_fwd_impl)
+
+
 @_rms_norm_fwd.register_fake
 def _(x, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=_acc_dtype(x.dtype))
 
 
-@torch.library.custom_op("numba_fused::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor,
+def _rms_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor,
                   need_dweight: bool) -> tuple[Tensor, Tensor]:
     dy = dy.to(x.dtype)
     dx = _empty_out(x)
-    if x.device.type == "cpu":
+    if x.is_cpu:
         _, dw = _F.rms_norm_bwd(_np(dy), _np(x), None if weight is None else _np(weight),
                                 _np(rstd), out=_np(dx))
         dw = None if dw is None else _from_np(dw)
@@ -220,6 +288,9 @@ def _rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor,
     if not need_dweight:
         dw = None
     return dx, _none_to_empty(dw, x)
+
+
+_rms_norm_bwd = _custom_op("rms_norm_bwd", _rms_norm_bwd_impl)
 
 
 @_rms_norm_bwd.register_fake
@@ -240,20 +311,21 @@ def _rms_norm_backward(ctx, grad_y, grad_rstd):
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_dx or need_dw):
         return None, None, None
-    dx, dw = _rms_norm_bwd(grad_y, x, weight, rstd, bool(need_dw and weight is not None))
+    dx, dw = _call(_rms_norm_bwd, grad_y, x, weight, rstd,
+                   bool(need_dw and weight is not None))
     return (dx if need_dx else None), (dw if need_dw else None), None
 
 
 _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+_RMSNormFn = _function("_RMSNormFn", _rms_norm_fwd, _rms_norm_setup, _rms_norm_backward)
 
 
 # ---------------------------------------------------------------- LayerNorm ops
-@torch.library.custom_op("numba_fused::layer_norm_fwd", mutates_args=())
-def _layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+def _layer_norm_fwd_impl(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
     _check_dtype(x, "x")
     y = _empty_out(x)
-    if x.device.type == "cpu":
+    if x.is_cpu:
         _, mean, rstd = _F.layer_norm_fwd(_np(x), None if weight is None else _np(weight),
                                           None if bias is None else _np(bias), eps,
                                           out=_np(y))
@@ -264,6 +336,9 @@ def _layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None,
         return y, c.back(mean), c.back(rstd)
 
 
+_layer_norm_fwd = _custom_op("layer_norm_fwd", _layer_norm_fwd_impl)
+
+
 @_layer_norm_fwd.register_fake
 def _(x, weight, bias, eps):
     acc = _acc_dtype(x.dtype)
@@ -271,8 +346,7 @@ def _(x, weight, bias, eps):
             x.new_empty(x.shape[:-1], dtype=acc))
 
 
-@torch.library.custom_op("numba_fused::layer_norm_bwd", mutates_args=())
-def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
+def _layer_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
                     rstd: Tensor, need_dweight: bool,
                     need_dbias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """dbias comes back in the accumulator dtype (float32, float64 for float64 x):
@@ -281,7 +355,7 @@ def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
     dx = _empty_out(x)
     acc = _acc_dtype(x.dtype)
     n = x.shape[-1]
-    if x.device.type == "cpu":
+    if x.is_cpu:
         stand_in = np.empty((n,), np.float64 if acc == torch.float64 else np.float32) \
             if need_dbias else None
         _, dw, db = _F.layer_norm_bwd(_np(dy), _np(x),
@@ -300,6 +374,9 @@ def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
     if not need_dweight:
         dw = None
     return dx, _none_to_empty(dw, x), _none_to_empty(db, x)
+
+
+_layer_norm_bwd = _custom_op("layer_norm_bwd", _layer_norm_bwd_impl)
 
 
 @_layer_norm_bwd.register_fake
@@ -325,9 +402,8 @@ def _layer_norm_backward(ctx, grad_y, grad_mean, grad_rstd):
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if not (need_dx or need_dw or need_db):
         return None, None, None, None
-    dx, dw, db = _layer_norm_bwd(grad_y, x, weight, mean, rstd,
-                                 bool(need_dw and weight is not None),
-                                 bool(need_db and ctx.has_bias))
+    dx, dw, db = _call(_layer_norm_bwd, grad_y, x, weight, mean, rstd,
+                       bool(need_dw and weight is not None), bool(need_db and ctx.has_bias))
     if need_db:
         db = db.to(ctx.bias_dtype)
     return (dx if need_dx else None), (dw if need_dw else None), \
@@ -335,6 +411,8 @@ def _layer_norm_backward(ctx, grad_y, grad_mean, grad_rstd):
 
 
 _layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+_LayerNormFn = _function("_LayerNormFn", _layer_norm_fwd, _layer_norm_setup,
+                         _layer_norm_backward)
 
 
 # ---------------------------------------------------------------- functional
@@ -369,11 +447,11 @@ def softmax(x, dim=-1):
     is moved last (a copy) and the result moved back (a non-contiguous view)."""
     _check_x(x)
     if x.dim() == 0:
-        return _softmax_fwd(x.reshape(1)).reshape(())
+        return _forward(_softmax_fwd, _SoftmaxFn, x.reshape(1)).reshape(())
     dim = _dim(dim, x.dim())
     if dim == x.dim() - 1:
-        return _softmax_fwd(x)
-    return _softmax_fwd(x.movedim(dim, -1)).movedim(-1, dim)
+        return _forward(_softmax_fwd, _SoftmaxFn, x)
+    return _forward(_softmax_fwd, _SoftmaxFn, x.movedim(dim, -1)).movedim(-1, dim)
 
 
 def _dim(dim, ndim):
@@ -388,15 +466,16 @@ def rms_norm(x, weight=None, eps=1e-6):
     """RMSNorm over the last axis: x / sqrt(mean(x**2) + eps) * weight.
     ``eps=None`` means torch.finfo(x.dtype).eps, as in torch.nn.RMSNorm."""
     _check_x(x)
-    return _rms_norm_fwd(x, _param(weight, x, "weight"), _eps(eps, x))[0]
+    return _forward(_rms_norm_fwd, _RMSNormFn, x, _param(weight, x, "weight"),
+                    _eps(eps, x))[0]
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     """LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias
     (biased variance)."""
     _check_x(x)
-    return _layer_norm_fwd(x, _param(weight, x, "weight"), _param(bias, x, "bias"),
-                           _eps(eps, x))[0]
+    return _forward(_layer_norm_fwd, _LayerNormFn, x, _param(weight, x, "weight"),
+                    _param(bias, x, "bias"), _eps(eps, x))[0]
 
 
 def _over_shape(fn, x, normalized_shape, params, eps):

@@ -29,6 +29,14 @@ def _randn(*shape, dtype=torch.float32, seed=0, requires_grad=False):
     return t.requires_grad_(requires_grad)
 
 
+@pytest.fixture(params=["fast", "ops"])
+def path(request, monkeypatch):
+    """Run a test through the eager autograd.Function path and through the
+    torch.library custom ops (their registered autograd)."""
+    monkeypatch.setattr(nft, "EAGER_FAST_PATH", request.param == "fast")
+    return request.param
+
+
 # ------------------------------------------------------------------ packaging
 def test_import_numba_fused_does_not_import_torch():
     code = "import sys, numba_fused; assert 'torch' not in sys.modules, 'torch imported'"
@@ -83,13 +91,13 @@ def test_opcheck_backward_ops():
 
 # ------------------------------------------------------------------- gradcheck
 @pytest.mark.parametrize("dim", [-1, 0, 1])
-def test_gradcheck_softmax(dim):
+def test_gradcheck_softmax(dim, path):
     x = _randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: nft.softmax(x, dim), (x,))
 
 
 @pytest.mark.parametrize("affine", [True, False])
-def test_gradcheck_rms_norm(affine):
+def test_gradcheck_rms_norm(affine, path):
     x = _randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
     w = _randn(7, dtype=torch.float64, seed=1, requires_grad=True) if affine else None
     args = (x, w) if affine else (x,)
@@ -98,7 +106,7 @@ def test_gradcheck_rms_norm(affine):
 
 @pytest.mark.parametrize("weight,bias", [(True, True), (True, False), (False, True),
                                          (False, False)])
-def test_gradcheck_layer_norm(weight, bias):
+def test_gradcheck_layer_norm(weight, bias, path):
     x = _randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
     w = _randn(7, dtype=torch.float64, seed=1, requires_grad=True)
     b = _randn(7, dtype=torch.float64, seed=2, requires_grad=True)
@@ -108,7 +116,7 @@ def test_gradcheck_layer_norm(weight, bias):
     assert torch.autograd.gradcheck(fn, (x, w, b))
 
 
-def test_gradcheck_strided_input():
+def test_gradcheck_strided_input(path):
     base = _randn(7, 10, dtype=torch.float64, requires_grad=True)
     w5 = _randn(5, dtype=torch.float64, seed=1, requires_grad=True)
     w7 = _randn(7, dtype=torch.float64, seed=2, requires_grad=True)
@@ -151,7 +159,7 @@ def _maxrel(a, ref):
 
 
 @pytest.mark.parametrize("name", ["softmax", "rms_norm", "layer_norm"])
-def test_parity_float32(name):
+def test_parity_float32(name, path):
     ours = _run(_our_fn(name), torch.float32)
     theirs = _run(_torch_fn(name), torch.float32)
     for what, a, t in zip(["y", "dx", "dweight", "dbias"], ours, theirs):
@@ -208,7 +216,7 @@ def test_softmax_masking_and_dims():
         nft.softmax(x, 3)
 
 
-def test_empty_and_1d_inputs():
+def test_empty_and_1d_inputs(path):
     for shape in [(0, 8), (3, 0, 8), (8,)]:
         x = _randn(*shape, requires_grad=True)
         w = torch.ones(8, requires_grad=True)
@@ -242,7 +250,7 @@ def _saved(fn):
     return out, packed
 
 
-def test_saves_only_what_backward_needs():
+def test_saves_only_what_backward_needs(path):
     x = _randn(4, 16, requires_grad=True)
     w, b = _randn(16, seed=1, requires_grad=True), _randn(16, seed=2, requires_grad=True)
     y, saved = _saved(lambda: nft.softmax(x))
@@ -255,7 +263,7 @@ def test_saves_only_what_backward_needs():
     assert all(s.data_ptr() != b.data_ptr() for s in saved)
 
 
-def test_needs_input_grad(monkeypatch):
+def test_needs_input_grad(monkeypatch, path):
     calls = []
     real = nft._F.layer_norm_bwd
 
@@ -285,7 +293,7 @@ def test_needs_input_grad(monkeypatch):
     assert not y.requires_grad
 
 
-def test_rms_norm_weight_frozen():
+def test_rms_norm_weight_frozen(path):
     x = _randn(4, 16, requires_grad=True)
     w = _randn(16, seed=1)                     # no grad
     nft.rms_norm(x, w).sum().backward()
@@ -293,6 +301,19 @@ def test_rms_norm_weight_frozen():
     F.rms_norm(xr, (16,), w, 1e-6).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad)
     assert w.grad is None
+
+
+def test_eager_calls_take_the_fast_path_and_ops_otherwise(path):
+    x = _randn(3, 8, requires_grad=True)
+    names = [type(nft.softmax(x).grad_fn).__name__, type(nft.rms_norm(x).grad_fn).__name__,
+             type(nft.layer_norm(x).grad_fn).__name__]
+    if path == "fast":
+        assert names == ["_SoftmaxFnBackward", "_RMSNormFnBackward", "_LayerNormFnBackward"]
+    else:
+        assert all(n.startswith("GeneratedBackwardFor_numba_fused_") for n in names)
+    # meta tensors always take the ops (their fake implementations)
+    m = nft.layer_norm(torch.empty(5, 8, device="meta"), torch.empty(8, device="meta"))
+    assert m.device.type == "meta" and m.shape == (5, 8)
 
 
 def test_stats_are_not_differentiable():
