@@ -34,14 +34,18 @@ from numba.extending import overload
 from ._dtypes import acc, narrow, widen
 from ._vecmath import fexp, fmax
 
-# Reassociation lets LLVM vectorize the reductions; no nnan/ninf, which would
-# break -inf masking and NaN propagation. No 'contract' either: FMA formation
-# differed between numba's JIT and its cached object code (measured: a process
-# loading kernels from the on-disk cache got other dx bits than the process that
-# compiled them), and results must not depend on the cache.
+# Reductions are compiled with reassociation so LLVM vectorizes them (several
+# partial sums); no nnan/ninf, which would break -inf masking and NaN
+# propagation. Everything elementwise (the stores) is compiled strictly: LLVM
+# emits a vector and a scalar version of each loop and picks one at run time by
+# aliasing (out=dy takes the scalar one), and with reassociation the two rounded
+# differently (measured: in-place dx was 1 ulp off). No 'contract' anywhere:
+# FMA formation differed between numba's JIT and its cached object code (a process
+# loading kernels from the on-disk cache got other bits than the one that compiled
+# them), and results must not depend on the cache.
 FLAGS = frozenset({'nsz', 'arcp', 'afn', 'reassoc'})
-_ROW_OPTS = dict(fastmath=set(FLAGS), cache=True, nogil=True, error_model='numpy')
-_row = njit(**_ROW_OPTS)
+_reduction = njit(fastmath=set(FLAGS), cache=True, nogil=True, error_model='numpy')
+_row = njit(cache=True, nogil=True, error_model='numpy')
 
 #: calls with fewer elements than this run the serial kernels
 SERIAL_BELOW = 1 << 15
@@ -50,39 +54,79 @@ MAX_CHUNKS = 32
 _PARTIAL_ELEMS = 1 << 21
 
 
+# --------------------------------------------------------------- reductions
+@_reduction
+def _max(x):
+    """max over the row; NaN if any element is NaN (IEEE maximum)."""
+    m = acc(x, -np.inf)
+    for c in range(x.shape[0]):
+        m = fmax(m, widen(x[c]))
+    return m
+
+
+@_reduction
+def _exp_sum(x, m, scratch):
+    """scratch = exp(x - m); returns sum(scratch)."""
+    s = acc(x, 0.0)
+    for c in range(x.shape[0]):
+        e = fexp(widen(x[c]) - m)
+        scratch[c] = e
+        s += e
+    return s
+
+
+@_reduction
+def _sum(x):
+    s = acc(x, 0.0)
+    for c in range(x.shape[0]):
+        s += widen(x[c])
+    return s
+
+
+@_reduction
+def _sum_sq(x, center):
+    """sum((x - center)**2)."""
+    s = acc(x, 0.0)
+    for c in range(x.shape[0]):
+        d = widen(x[c]) - center
+        s += d * d
+    return s
+
+
+@_reduction
+def _grad_sums(dy, weight, x, center, scale):
+    """With g = dy * weight and xhat = (x - center) * scale: (sum(g * xhat), sum(g))."""
+    dot = acc(x, 0.0)
+    gsum = acc(x, 0.0)
+    for c in range(x.shape[0]):
+        g = widen(dy[c])
+        if weight is not None:
+            g = g * widen(weight[c])
+        dot += g * ((widen(x[c]) - center) * scale)
+        gsum += g
+    return dot, gsum
+
+
 # ------------------------------------------------------------------ softmax
 @_row
 def _softmax_fwd_row(x, y, scratch):
     """y = exp(x - m) / sum(exp(x - m)), m = max(x).
 
-    exp(x - m) is kept in ``scratch`` (accumulator type, one row, in cache) so
-    each element costs one exp; y is then rounded once from it.
-
     A NaN makes m NaN and so the whole row; so does +inf (inf - inf). A row of
-    all -inf has m = -inf and x - m = NaN, as in torch.
+    all -inf has m = -inf and x - m = NaN, as in torch. exp(x - m) is kept in
+    ``scratch`` (accumulator type, one row, in cache): one exp per element, and
+    y is rounded once from it.
     """
-    cols = x.shape[0]
-    m = acc(x, -np.inf)
-    for c in range(cols):
-        m = fmax(m, widen(x[c]))
-    s = acc(x, 0.0)
-    for c in range(cols):
-        e = fexp(widen(x[c]) - m)
-        scratch[c] = e
-        s += e
-    inv = acc(x, 1.0) / s
-    for c in range(cols):
+    inv = acc(x, 1.0) / _exp_sum(x, _max(x), scratch)
+    for c in range(x.shape[0]):
         y[c] = narrow(scratch[c] * inv, y)
 
 
 @_row
 def _softmax_bwd_row(y, dy, dx):
     """dx = y * (dy - sum(dy * y))."""
-    cols = y.shape[0]
-    dot = acc(y, 0.0)
-    for c in range(cols):
-        dot += widen(dy[c]) * widen(y[c])
-    for c in range(cols):
+    dot = _grad_sums(dy, None, y, acc(y, 0.0), acc(y, 1.0))[0]
+    for c in range(y.shape[0]):
         dx[c] = narrow(widen(y[c]) * (widen(dy[c]) - dot), dx)
 
 
@@ -91,11 +135,7 @@ def _softmax_bwd_row(y, dy, dx):
 def _rms_norm_fwd_row(x, weight, eps, y):
     """rstd = 1 / sqrt(mean(x**2) + eps); y = x * rstd * weight. Returns rstd."""
     cols = x.shape[0]
-    ss = acc(x, 0.0)
-    for c in range(cols):
-        v = widen(x[c])
-        ss += v * v
-    rstd = acc(x, 1.0) / np.sqrt(ss / acc(x, cols) + acc(x, eps))
+    rstd = acc(x, 1.0) / np.sqrt(_sum_sq(x, acc(x, 0.0)) / acc(x, cols) + acc(x, eps))
     for c in range(cols):
         v = widen(x[c]) * rstd
         if weight is not None:
@@ -110,13 +150,7 @@ def _rms_norm_bwd_row(dy, x, weight, rstd, dx, dweight):
     dx = rstd * (g - xhat * mean(g * xhat)); dweight += dy * xhat."""
     cols = x.shape[0]
     rstd = acc(x, rstd)
-    dot = acc(x, 0.0)
-    for c in range(cols):
-        g = widen(dy[c])
-        if weight is not None:
-            g = g * widen(weight[c])
-        dot += g * widen(x[c])
-    dot = dot * rstd / acc(x, cols)
+    dot = _grad_sums(dy, weight, x, acc(x, 0.0), rstd)[0] / acc(x, cols)
     for c in range(cols):
         d = widen(dy[c])
         xhat = widen(x[c]) * rstd
@@ -136,15 +170,8 @@ def _layer_norm_fwd_row(x, weight, bias, eps, y):
     y = (x - mean) * rstd * weight + bias. Returns (mean, rstd)."""
     cols = x.shape[0]
     inv_cols = acc(x, 1.0) / acc(x, cols)
-    s = acc(x, 0.0)
-    for c in range(cols):
-        s += widen(x[c])
-    mean = s * inv_cols
-    ss = acc(x, 0.0)
-    for c in range(cols):
-        d = widen(x[c]) - mean
-        ss += d * d
-    rstd = acc(x, 1.0) / np.sqrt(ss * inv_cols + acc(x, eps))
+    mean = _sum(x) * inv_cols
+    rstd = acc(x, 1.0) / np.sqrt(_sum_sq(x, mean) * inv_cols + acc(x, eps))
     for c in range(cols):
         v = (widen(x[c]) - mean) * rstd
         if weight is not None:
@@ -163,14 +190,7 @@ def _layer_norm_bwd_row(dy, x, weight, mean, rstd, dx, dweight, dbias):
     cols = x.shape[0]
     mean, rstd = acc(x, mean), acc(x, rstd)
     inv_cols = acc(x, 1.0) / acc(x, cols)
-    dot = acc(x, 0.0)
-    gsum = acc(x, 0.0)
-    for c in range(cols):
-        g = widen(dy[c])
-        if weight is not None:
-            g = g * widen(weight[c])
-        dot += g * ((widen(x[c]) - mean) * rstd)
-        gsum += g
+    dot, gsum = _grad_sums(dy, weight, x, mean, rstd)
     dot = dot * inv_cols
     gmean = gsum * inv_cols
     for c in range(cols):
