@@ -17,13 +17,24 @@ traces through them and AOTAutograd sees the backward ops too:
     numba_fused::layer_norm_bwd(dy, x, weight?, mean, rstd, need_dweight, need_dbias)
         -> (dx, dweight, dbias)
 
+Plain eager calls skip the dispatcher: the same implementations run through a
+``torch.autograd.Function`` with the same save/backward logic (``EAGER_FAST_PATH``;
+about 60 us less per forward+backward). Under torch.compile/export, make_fx,
+FakeTensor/meta, jit tracing, functorch transforms or tensor subclasses the custom
+ops are called, so tracers always see ``numba_fused::*``.
+
 Data movement. CPU tensors reach the kernels as zero-copy NumPy views (bfloat16
 through an int16 view re-viewed as ``ml_dtypes.bfloat16``); strided tensors keep
 their strides (the library copies only where the last axis is not unit-stride).
 CUDA tensors go through ``__cuda_array_interface__`` on torch's current stream
-(bfloat16 as an int16 view plus ``dtype="bfloat16"``). Outputs y/dx are allocated
-by torch (so CUDA outputs come from torch's caching allocator) and are always
-contiguous; the statistics come back from the library zero-copy.
+with x's device current (bfloat16 as an int16 view plus ``dtype="bfloat16"``;
+non-contiguous tensors are made contiguous by torch on the device first, since the
+GPU backend copies such layouts through the host; bfloat16 weight/bias travel as
+float32, which the kernels accept, and dweight is cast back). Outputs y/dx are
+allocated by torch (so CUDA outputs come from torch's caching allocator) and are
+always contiguous; mean/rstd/dweight/dbias are allocated by the library (numba's
+allocator on CUDA) and wrapped zero-copy. The CUDA branch follows the GPU
+backend's documented contract but has not been run on a GPU.
 
 Numerics follow numba_fused: float32 accumulation (float64 for float64 inputs),
 one rounding at the store; statistics in float32 (float64 for float64 inputs).
@@ -33,7 +44,11 @@ What autograd saves: softmax saves y only; rms_norm saves x, weight and rstd;
 layer_norm saves x, weight, mean and rstd (never bias: dbias needs only dy). When
 bias needs no gradient, no dbias is computed; when weight needs no gradient dweight
 is dropped, but the library's fused backward computes it in the same pass as dx
-(dx needs weight), so that saves no kernel work.
+(dx needs weight), so that saves no kernel work. Measured on the CPU (2 cores,
+RMSNorm backward): the dweight reduction is 25-50% of the backward's time
+(512x256 f32: 40 vs 27 us; 2048x512 f32: 215 vs 140 us), and the alternative of
+passing dy*weight with weight=None costs as much or more (an extra pass over dy;
+216 us, bf16 354 vs 238 us) and rounds dy*weight to x's dtype, so it is not used.
 
 Not supported: double backward (the backward ops have no autograd), autocast
 (the ops run in the dtype they are given).
