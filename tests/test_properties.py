@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import numba_fused as nf
 from numba_fused import reference as ref
-from conftest import (DTYPES, EPS, HALVES, LAYOUTS, TOL, as_layout, assert_close, bound,
+from conftest import (DTYPES, EPS, HALVES, LAYOUTS, TOL, as_layout, assert_bits_equal, assert_close, bound,
                       call_op, check_op, draw, draw_param, ln_fwd_cond, row_scale)
 
 # NF_HYPOTHESIS_EXAMPLES raises the count for a longer soak run.
@@ -143,7 +143,11 @@ def test_forward_backward_match_reference(case, op, wkind, bkind, inplace):
         bwd = "layer_norm_bwd"
         db = dict(dy=as_layout(dy, layout), x=xl, weight=w, bias=b, mean=got[1], rstd=got[2])
     plain = {k: (None if v is None else np.array(v, order="C")) for k, v in db.items()}
+    separate = call_op(bwd, db)
     res = call_op(bwd, db, out=db["dy"] if inplace else None)
     check_op(bwd, plain, res)
-    if inplace:
+    if inplace:        # out=dy: the same bits as a separate buffer
         assert res[0] is db["dy"]
+        for g, s in zip(res, separate):
+            if s is not None:
+                assert_bits_equal(np.array(g, order="C"), s, "in-place backward")
