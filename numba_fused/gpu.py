@@ -962,6 +962,26 @@ def _stream(stream):
     return stream
 
 
+_SCRATCH = {}
+_SCRATCH_LOCK = threading.Lock()
+
+
+def _scratch(stream, slot, shape, dtype):
+    """A reusable partial-rows buffer per (stream, thread, slot): launches on one
+    stream run in order, so the next call may reuse it; other streams and threads
+    get their own. Grows to the largest request (no cudaMalloc per call)."""
+    n = int(np.prod(shape))
+    handle = 0 if SIM else getattr(stream, "handle", None)
+    handle = getattr(handle, "value", handle)
+    key = (id(stream) if handle is None else int(handle or 0), threading.get_ident(),
+           slot, np.dtype(dtype).str)
+    with _SCRATCH_LOCK:
+        buf = _SCRATCH.get(key)
+        if buf is None or buf.size < n:
+            buf = _SCRATCH[key] = cuda.device_array(max(n, 1), dtype=dtype, stream=stream)
+    return buf[:n].reshape(shape)
+
+
 def _dummy(dtype):
     key = ("dummy", np.dtype(dtype).str)
     a = _AUX.get(key)
@@ -1059,8 +1079,8 @@ class _Kernels:
         dummy2 = _AUX.get(("dummy2", acc))
         if dummy2 is None:
             dummy2 = _AUX[("dummy2", acc)] = cuda.device_array((1, 1), dtype=acc)
-        pw = cuda.device_array((ng, cols), dtype=acc, stream=s) if need_dw else dummy2
-        pb = cuda.device_array((ng, cols), dtype=acc, stream=s) if need_db else dummy2
+        pw = _scratch(s, 0, (ng, cols), acc) if need_dw else dummy2
+        pb = _scratch(s, 1, (ng, cols), acc) if need_db else dummy2
         w = weight if weight is not None else _dummy(acc)
         mu = mean if mean is not None else rstd
         k[grid, cfg.tpb, s](dy, x, w, mu, rstd, dx, pw, pb)
