@@ -316,6 +316,23 @@ def test_eager_calls_take_the_fast_path_and_ops_otherwise(path):
     assert m.device.type == "meta" and m.shape == (5, 8)
 
 
+def test_activation_checkpointing_and_retain_graph():
+    from torch.utils.checkpoint import checkpoint
+    ln, rms = nft.LayerNorm(16), nft.RMSNorm(16)
+
+    def f(x):
+        return rms(nft.softmax(ln(x)) * 4)
+    x = _randn(6, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    checkpoint(f, x, use_reentrant=False).square().sum().backward()
+    y = f(xr).square().sum()
+    y.backward(retain_graph=True)
+    torch.testing.assert_close(x.grad, xr.grad)
+    g1 = xr.grad.clone()
+    y.backward()                              # saved tensors reused, not mutated
+    torch.testing.assert_close(xr.grad, 2 * g1)
+
+
 def test_stats_are_not_differentiable():
     x = _randn(4, 16, requires_grad=True)
     y, rstd = OPS.rms_norm_fwd(x, None, 1e-6)
