@@ -30,7 +30,7 @@ OPS = ["softmax_fwd", "softmax_bwd", "rms_norm_fwd", "rms_norm_bwd",
 COLS = [1, 5, 33, 64, 70]
 ROWS = [1, 3]
 if not SIM:      # hardware: the same checks at sizes that reach every table row
-    COLS = COLS + [1000, 4096, 16384, 32768, 70001]
+    COLS = COLS + [1000, 4096, 32768, 70001]
 
 
 # ------------------------------------------------------------------ helpers
@@ -392,7 +392,6 @@ def test_over_2_31_elements(op):
     rng = np.random.default_rng(0)
     tail = draw(rng, (8, cols), BF16)
     x = cuda.device_array((rows, cols), np.uint16)
-    gpu.DEVICE.full((rows, cols), BF16, 0.5)      # warm the fill kernel
     x[-8:].copy_to_device(tail.view(np.uint16))
     x[:-8].copy_to_device(np.full((rows - 8, cols), 0x3F00, np.uint16))   # 0.5
     if op == "softmax_fwd":

@@ -32,3 +32,49 @@ def test_gpu_cases_in_simulator():
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"simulator cases failed (rc={p.returncode}):\n{out[-12000:]}"
     assert " passed" in out and " failed" not in out, out[-3000:]
+
+
+def _sim_env():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+@pytest.mark.skipif(not _simulator_available(), reason="numba's CUDA simulator is missing")
+def test_gpu_check_script_in_simulator(tmp_path):
+    """benchmarks/gpu_check.sh end to end in the simulator (GPU_CHECK_SIMULATOR=1):
+    versions, the benchmark's argument handling and the Markdown table."""
+    out = tmp_path / "table.md"
+    env = dict(_sim_env(), GPU_CHECK_SIMULATOR="1", PYTHON=sys.executable)
+    p = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(out), "--ops", "softmax,rms_norm",
+                        "--dtypes", "bfloat16", "--directions", "fwd,bwd"],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    assert "numba.cuda implementation" in log and "== benchmark" in log
+    text = out.read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln]
+    assert lines[0].startswith("| op | dir | dtype | shape | ms | GB/s | % copy"), text
+    body = lines[1:]
+    assert len(body) == 2 * 2, text                          # ops x directions
+    assert {(r.split("|")[1].strip(), r.split("|")[2].strip(), r.split("|")[3].strip())
+            for r in body} == {(o, d, t) for o in ("softmax", "rms_norm")
+                               for d in ("fwd", "bwd") for t in ("bfloat16",)}
+    assert "FAIL" not in text and "SIMULATOR" in text
+
+
+@pytest.mark.parametrize("args,msg", [(["--shapes", "3y4"], "ROWSxCOLS"),
+                                      (["--dtypes", "int8"], "unsupported dtype"),
+                                      (["--ops", "gelu"], "--ops"),
+                                      (["--repeat", "0"], ">= 1")])
+def test_gpu_bench_rejects_bad_arguments(tmp_path, args, msg):
+    p = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", str(tmp_path / "t.md")] + args,
+                       env=_sim_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and msg in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "t.md").exists()
+
+
+def test_gpu_check_script_needs_an_output_path():
+    p = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "usage" in p.stderr

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The real-GPU check of numba_fused: versions, the GPU tests on hardware (simulator
+# off), then the GPU benchmark (bf16 and f32; 32768x4096, 8192x32768, 1024x262144;
+# fwd and bwd of each op; GB/s of minimal traffic vs a device-to-device copy of the
+# same run and vs torch's own kernels). Needs no network.
+#
+# Usage: benchmarks/gpu_check.sh OUT.md [extra benchmarks/gpu_bench.py arguments]
+#   OUT.md        the benchmark table (Markdown) is written here; the log of the
+#                 tests goes to OUT.md.tests.log, the `numba-fused bench --device gpu`
+#                 table (when that CLI exists) to OUT.md.cli.md
+# Environment:
+#   GPU_CHECK_SIMULATOR=1   dry run in the CUDA simulator (tiny shapes, no tests):
+#                           exercises the script, argument parsing and table output
+#   GPU_CHECK_SKIP_TESTS=1  benchmark only
+#   NUMBA_FUSED_GPU_BIG=0   skip the 2^31-element tests (default: run them)
+# Exit status: non-zero if a test failed, the benchmark failed its accuracy check,
+# or the benchmark could not run.
+set -uo pipefail
+
+if [ $# -lt 1 ]; then
+    echo "usage: $0 OUT.md [gpu_bench.py arguments]" >&2
+    exit 2
+fi
+OUT=$1
+shift
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 2
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python}
+status=0
+
+if [ "${GPU_CHECK_SIMULATOR:-0}" = "1" ]; then
+    export NUMBA_ENABLE_CUDASIM=1
+    BENCH_ARGS=(--shapes 3x33 --repeat 1 --samples 1 --peers none)
+else
+    unset NUMBA_ENABLE_CUDASIM
+    BENCH_ARGS=()
+fi
+
+echo "== versions"
+"$PY" - <<'EOF'
+import platform, sys
+print("python", platform.python_version(), sys.executable)
+import numba
+print("numba", numba.__version__)
+from numba import cuda
+print("numba.cuda implementation:", getattr(cuda, "implementation", "built-in (unsupported)"))
+try:
+    import numba_cuda
+    print("numba-cuda", numba_cuda.__version__)
+except Exception as e:
+    print("numba-cuda version unknown:", e)
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda,
+          "available", torch.cuda.is_available())
+except Exception as e:
+    print("torch unavailable:", e)
+EOF
+if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv
+else
+    echo "nvidia-smi: not found"
+fi
+
+if [ "${GPU_CHECK_SIMULATOR:-0}" != "1" ] && [ "${GPU_CHECK_SKIP_TESTS:-0}" != "1" ]; then
+    echo "== GPU tests on hardware"
+    NUMBA_FUSED_GPU_BIG=${NUMBA_FUSED_GPU_BIG:-1} "$PY" -m pytest tests/gpu_cases.py \
+        tests/test_gpu_ptx.py -q -p no:cacheprovider -o addopts= -rfEs -x \
+        2>&1 | tee "$OUT.tests.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU tests FAILED (log: $OUT.tests.log)"; status=1; }
+fi
+
+echo "== benchmark (benchmarks/gpu_bench.py -> $OUT)"
+"$PY" benchmarks/gpu_bench.py "$OUT" "${BENCH_ARGS[@]}" "$@" || status=1
+[ -s "$OUT" ] && cat "$OUT" || { echo "no table written"; status=1; }
+
+if "$PY" -m numba_fused bench --help 2>/dev/null | grep -q -- "--device"; then
+    echo "== numba-fused bench --device gpu (-> $OUT.cli.md)"
+    if [ "${GPU_CHECK_SIMULATOR:-0}" = "1" ]; then
+        echo "(skipped in the simulator)"
+    else
+        "$PY" -m numba_fused bench --device gpu --dtypes float32,bfloat16 \
+            --shapes 32768x4096,8192x32768,1024x262144 --direction fwd,bwd \
+            --markdown > "$OUT.cli.md" || status=1
+        cat "$OUT.cli.md"
+    fi
+fi
+exit $status
