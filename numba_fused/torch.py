@@ -54,6 +54,7 @@ Not supported: double backward (the backward ops have no autograd), autocast
 (the ops run in the dtype they are given).
 """
 import numbers
+from typing import Optional
 
 import numpy as np
 import ml_dtypes
@@ -267,7 +268,7 @@ _SoftmaxFn = _function("_SoftmaxFn", _softmax_fwd, _softmax_setup, _softmax_back
 
 
 # ------------------------------------------------------------------ RMSNorm ops
-def _rms_norm_fwd_impl(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def _rms_norm_fwd_impl(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     _check_dtype(x, "x")
     y = _empty_out(x)
     if x.is_cpu:
@@ -287,7 +288,7 @@ def _(x, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=_acc_dtype(x.dtype))
 
 
-def _rms_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor,
+def _rms_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor,
                   need_dweight: bool) -> tuple[Tensor, Tensor]:
     dy = dy.to(x.dtype)
     dx = _empty_out(x)
@@ -336,7 +337,7 @@ _RMSNormFn = _function("_RMSNormFn", _rms_norm_fwd, _rms_norm_setup, _rms_norm_b
 
 
 # ---------------------------------------------------------------- LayerNorm ops
-def _layer_norm_fwd_impl(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+def _layer_norm_fwd_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
     _check_dtype(x, "x")
     y = _empty_out(x)
@@ -361,7 +362,7 @@ def _(x, weight, bias, eps):
             x.new_empty(x.shape[:-1], dtype=acc))
 
 
-def _layer_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
+def _layer_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor,
                     rstd: Tensor, need_dweight: bool,
                     need_dbias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """dbias comes back in the accumulator dtype (float32, float64 for float64 x):
