@@ -17,7 +17,8 @@ Kernel design (memory roofline):
   else W = 1. Lane l handles chunks l, l + G, l + 2G, ... -- coalesced.
 * Forward: if the lane's chunks fit NV <= CAP / W register slots the row is read
   from global memory once (kept in registers as accumulator values); longer rows use
-  a strided streaming loop (softmax: an online max/sum, then one re-read; RMSNorm:
+  a strided streaming loop (softmax: an online max/sum, then one re-read -- in
+  registers it is max, then exp kept in place, one exp an element; RMSNorm:
   one re-read; LayerNorm: two re-reads, keeping the two-pass variance). Any cols
   works (the loops are runtime-bounded; offsets are 64-bit).
 * Reductions: warp shuffles (``shfl_xor_sync`` butterfly, every lane gets the same
@@ -496,33 +497,55 @@ def _softmax_fwd_src(cfg, ACC, group_sum, group_max, NS, nbuf):
             i = rr - o * inner
             m = ninf
             s = zero
-            for k in range(nk):
-                c = (k * G + lane) * W
-                if c < cols:
-                    t = LD(x, o, i, c)
-                    for j in range(W):
-                        v = t[j]
-                        if CACHED:
+            if CACHED:
+                # registers: max, then exp(x - max) kept in place: one exp an element
+                for k in range(nk):
+                    c = (k * G + lane) * W
+                    if c < cols:
+                        t = LD(x, o, i, c)
+                        for j in range(W):
+                            v = t[j]
                             buf[k * W + j] = v
-                        if v > m:               # online max/sum; NaN/inf propagate
-                            s = s * math.exp(m - v) + (v - v + one)   # NaN if v = inf
-                            m = v
-                        else:
-                            d = v - m
-                            if d == d or v != v:   # skip only -inf - -inf
-                                s += math.exp(d)
-            mx = group_max(m, red, lane, grp)
-            if m != mx:
-                s = s * math.exp(m - mx)
+                            m = v if v > m else m
+                mx = group_max(m, red, lane, grp)
+                for k in range(nk):
+                    c = (k * G + lane) * W
+                    if c < cols:
+                        for j in range(W):
+                            e = math.exp(buf[k * W + j] - mx)   # NaN/inf rows: NaN
+                            buf[k * W + j] = e
+                            s += e
+            else:
+                for k in range(nk):
+                    c = (k * G + lane) * W
+                    if c < cols:
+                        t = LD(x, o, i, c)
+                        for j in range(W):
+                            v = t[j]
+                            if v > m:           # online max/sum; NaN/inf propagate
+                                s = s * math.exp(m - v) + (v - v + one)   # NaN if v = inf
+                                m = v
+                            else:
+                                d = v - m
+                                if d == d or v != v:   # skip only -inf - -inf
+                                    s += math.exp(d)
+                mx = group_max(m, red, lane, grp)
+                if m != mx:
+                    s = s * math.exp(m - mx)
             tot = group_sum(s, red, lane, grp)
             inv = one / tot
             if r < rows:
                 for k in range(nk):
                     c = (k * G + lane) * W
                     if c < cols:
-                        t = PACK(buf, k * W) if CACHED else LD(x, o, i, c)
-                        for j in range(W):
-                            tmp[j] = math.exp(t[j] - mx) * inv
+                        if CACHED:
+                            t = PACK(buf, k * W)
+                            for j in range(W):
+                                tmp[j] = t[j] * inv
+                        else:
+                            t = LD(x, o, i, c)
+                            for j in range(W):
+                                tmp[j] = math.exp(t[j] - mx) * inv
                         _st3(y, o, i, c, PACK(tmp, 0))
             rb += np.int64(cuda.gridDim.x)
     return softmax_fwd
@@ -1194,9 +1217,10 @@ class DeviceContext:
         typestr = cai["typestr"]
         if typestr[1:] == "V2":
             obj = _CAIShim(obj, "<u2")
-        if cuda.is_cuda_array(obj) and isinstance(obj, cuda.cudadrv.devicearray.DeviceNDArray):
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        if isinstance(obj, DeviceNDArray):
             return obj, readonly
-        return cuda.as_cuda_array(obj), readonly
+        return cuda.as_cuda_array(obj), readonly     # zero-copy view (CuPy, torch, ...)
 
     def wrap(self, obj, name, dtype=None):
         if isinstance(obj, DeviceTensor):
@@ -1206,12 +1230,12 @@ class DeviceContext:
             return obj
         void2 = (not SIM and hasattr(obj, "__cuda_array_interface__")
                  and obj.__cuda_array_interface__["typestr"][1:] == "V2")
+        if void2 and dtype is None:
+            raise TypeError(f"{name} reports typestr '<V2' (torch's bfloat16); pass "
+                            "dtype='bfloat16' to say so")
         raw, readonly = self._as_numba(obj, name)
         rd = np.dtype(raw.dtype)
         if dtype is None:
-            if void2:
-                raise TypeError(f"{name} reports typestr '<V2' (torch's bfloat16); pass "
-                                "dtype='bfloat16' to say so")
             return DeviceTensor(raw, rd, readonly)
         want = np.dtype(dtype)
         if want == rd:

@@ -189,3 +189,38 @@ def test_sass_no_spills(case):
     regs, spill, stack, log = _sass_info(ptx, case[3])
     assert spill == 0 and stack == 0, f"{case}/{cfg}: {spill} bytes spilled\n{log[-800:]}"
     assert regs <= 65536 // (cfg.tpb * gpu.launch_bounds(cfg.tpb)[1]), (case, cfg, regs)
+
+
+# ------------------------------------------------- host-side logic, no driver
+class _FakeCAI:
+    def __init__(self, typestr, shape=(4,)):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (0, False), "version": 3}
+
+
+def test_param_tag_reads_16_bit_params_as_x_dtype():
+    ctx = gpu.DEVICE
+    bf16 = np.dtype("bfloat16")
+    for ts in ("<u2", "<i2", "|V2", "<V2"):
+        assert ctx.param_tag(_FakeCAI(ts), bf16) == bf16
+        assert ctx.param_tag(_FakeCAI(ts), np.float16) == np.dtype(np.float16)
+    assert ctx.param_tag(_FakeCAI("<f4"), bf16) is None       # float32 weights stay
+    assert ctx.param_tag(_FakeCAI("<u2"), np.float32) is None  # only beside halves
+
+
+def test_void2_needs_a_dtype_tag():
+    with pytest.raises(TypeError, match="bfloat16"):
+        gpu.DEVICE.wrap(_FakeCAI("<V2", (2, 4)), "x")
+
+
+def test_cai_shim_retypes_void2():
+    s = gpu._CAIShim(_FakeCAI("<V2", (2, 4)), "<u2")
+    assert s.__cuda_array_interface__["typestr"] == "<u2"
+    assert s.__cuda_array_interface__["shape"] == (2, 4)
+
+
+def test_bad_stream_rejected_without_a_driver():
+    with pytest.raises(TypeError, match="stream"):
+        gpu.DEVICE.check_stream("nope")
+    with pytest.raises(TypeError, match="stream"):
+        gpu.DEVICE.check_stream(True)
