@@ -19,7 +19,8 @@ Kernel design (memory roofline):
   from global memory once (kept in registers as accumulator values); longer rows use
   a strided streaming loop (softmax: an online max/sum, then one re-read -- in
   registers it is max, then exp kept in place, one exp an element; RMSNorm:
-  one re-read; LayerNorm: two re-reads, keeping the two-pass variance). Any cols
+  one re-read; LayerNorm: per-thread chunk-merged mean/M2 (Chan), then one
+  re-read -- as stable as two passes). Any cols
   works (the loops are runtime-bounded; offsets are 64-bit).
 * Reductions: warp shuffles (``shfl_xor_sync`` butterfly, every lane gets the same
   bits) then shared memory across the warps of a block. The CUDA simulator has no
@@ -639,24 +640,54 @@ def _layer_norm_fwd_src(cfg, ACC, group_sum, group_max, NS, has_w, has_b):
             o = rr // inner
             i = rr - o * inner
             s = zero
-            for k in range(nk):
-                c = (k * G + lane) * W
-                if c < cols:
-                    t = LD(x, o, i, c)
-                    for j in range(W):
-                        v = t[j]
-                        if CACHED:
+            if CACHED:              # two-pass from registers
+                for k in range(nk):
+                    c = (k * G + lane) * W
+                    if c < cols:
+                        t = LD(x, o, i, c)
+                        for j in range(W):
+                            v = t[j]
                             buf[k * W + j] = v
-                        s += v
-            mu = group_sum(s, red, lane, grp) / fcols
-            q = zero
-            for k in range(nk):
-                c = (k * G + lane) * W
-                if c < cols:
-                    t = PACK(buf, k * W) if CACHED else LD(x, o, i, c)
-                    for j in range(W):
-                        d = t[j] - mu
-                        q += d * d
+                            s += v
+                mu = group_sum(s, red, lane, grp) / fcols
+                q = zero
+                for k in range(nk):
+                    c = (k * G + lane) * W
+                    if c < cols:
+                        t = PACK(buf, k * W)
+                        for j in range(W):
+                            d = t[j] - mu
+                            q += d * d
+            else:
+                # one streaming pass: exact two-pass mean/M2 of each chunk, merged
+                # into the thread's (n, mean, M2) (Chan et al.); the threads' parts
+                # are then combined as sum(n mean) and sum(M2 + n (mean - mu)^2),
+                # terms >= 0: as stable as two passes, one read fewer.
+                tn = zero
+                tmu = zero
+                tq = zero
+                fw = ACC(W)
+                for k in range(nk):
+                    c = (k * G + lane) * W
+                    if c < cols:
+                        t = LD(x, o, i, c)
+                        cs = zero
+                        for j in range(W):
+                            cs += t[j]
+                        cm = cs / fw
+                        cq = zero
+                        for j in range(W):
+                            d = t[j] - cm
+                            cq += d * d
+                        nn = tn + fw
+                        d = cm - tmu
+                        f = fw / nn
+                        tmu += d * f
+                        tq += cq + d * d * tn * f
+                        tn = nn
+                mu = group_sum(tn * tmu, red, lane, grp) / fcols
+                d = tmu - mu
+                q = tq + tn * d * d
             rs = one / math.sqrt(group_sum(q, red, lane, grp) / fcols + e)
             if r < rows:
                 if lane == 0:

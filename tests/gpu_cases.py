@@ -407,3 +407,16 @@ def test_over_2_31_elements(op):
         dwf = dw.copy_to_host().view(BF16).astype(np.float64)
         expect = (rows - 8) * 0.5 * 1.0 + (t64 * t64 * 2.0).sum(0)
         assert np.allclose(dwf, expect, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("loc", [1e2, 1e4])
+@pytest.mark.parametrize("cols", [33, 70])            # register (two-pass) / streaming (Chan)
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+def test_layer_norm_large_mean_is_stable(rng, dtype, cols, loc):
+    x = draw(rng, (3, cols), dtype, scale=1.0, loc=loc)
+    d = dict(x=x, weight=None, bias=None)
+    got, _, _ = call_dev("layer_norm_fwd", d, dtype)
+    check_op("layer_norm_fwd", d, got)
+    _, _, rr = ref.layer_norm_fwd(x)
+    # the variance is that of the data (~1), not swamped by loc**2
+    assert np.allclose(got[2], rr, rtol=1e-3)
