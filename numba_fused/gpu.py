@@ -19,8 +19,8 @@ Kernel design (memory roofline):
   from global memory once (kept in registers as accumulator values); longer rows use
   a strided streaming loop (softmax: an online max/sum, then one re-read -- in
   registers it is max, then exp kept in place, one exp an element; RMSNorm:
-  one re-read; LayerNorm: per-thread chunk-merged mean/M2 (Chan), then one
-  re-read -- as stable as two passes). Any cols
+  one re-read; LayerNorm: per-thread chunk-merged mean/M2 (Chan) of values
+  shifted by the row's first element, then one re-read). Any cols
   works (the loops are runtime-bounded; offsets are 64-bit).
 * Reductions: warp shuffles (``shfl_xor_sync`` butterfly, every lane gets the same
   bits) then shared memory across the warps of a block. The CUDA simulator has no
@@ -615,6 +615,7 @@ def _layer_norm_fwd_src(cfg, ACC, group_sum, group_max, NS, has_w, has_b):
     G, RPB, W, NV = cfg.key()
     CACHED = NV > 0
     LD, LDW, PACK = _LD3[W], _LD1[W], _PACK[W]
+    LD1 = _LD3[1]
     NSLOT = max(NV * W, 1)
     HAS_W, HAS_B = has_w, has_b
 
@@ -663,6 +664,10 @@ def _layer_norm_fwd_src(cfg, ACC, group_sum, group_max, NS, has_w, has_b):
                 # into the thread's (n, mean, M2) (Chan et al.); the threads' parts
                 # are then combined as sum(n mean) and sum(M2 + n (mean - mu)^2),
                 # terms >= 0: as stable as two passes, one read fewer.
+                # Values are shifted by the row's first element (one broadcast load):
+                # at a large mean the running means then stay O(std), where their
+                # rounding does not leak into M2.
+                shift = LD1(x, o, i, 0)[0]
                 tn = zero
                 tmu = zero
                 tq = zero
@@ -673,11 +678,11 @@ def _layer_norm_fwd_src(cfg, ACC, group_sum, group_max, NS, has_w, has_b):
                         t = LD(x, o, i, c)
                         cs = zero
                         for j in range(W):
-                            cs += t[j]
+                            cs += t[j] - shift
                         cm = cs / fw
                         cq = zero
                         for j in range(W):
-                            d = t[j] - cm
+                            d = (t[j] - shift) - cm
                             cq += d * d
                         nn = tn + fw
                         d = cm - tmu
@@ -685,9 +690,10 @@ def _layer_norm_fwd_src(cfg, ACC, group_sum, group_max, NS, has_w, has_b):
                         tmu += d * f
                         tq += cq + d * d * tn * f
                         tn = nn
-                mu = group_sum(tn * tmu, red, lane, grp) / fcols
-                d = tmu - mu
+                mus = group_sum(tn * tmu, red, lane, grp) / fcols
+                d = tmu - mus
                 q = tq + tn * d * d
+                mu = mus + shift
             rs = one / math.sqrt(group_sum(q, red, lane, grp) / fcols + e)
             if r < rows:
                 if lane == 0:
