@@ -93,21 +93,27 @@ class Timer:
         """Median seconds per call of ``fn`` (``repeat`` calls per sample)."""
         fn()
         fn()                                   # compile + warm-up
-        out = []
+        out, host = [], []
         for _ in range(samples):
             if gpu.SIM:
                 t0 = time.perf_counter()
                 for _ in range(repeat):
                     fn()
                 out.append((time.perf_counter() - t0) / repeat)
+                host.append(out[-1])
                 continue
             a, b = cuda.event(timing=True), cuda.event(timing=True)
             a.record(self.stream)
+            t0 = time.perf_counter()
             for _ in range(repeat):
                 fn()
+            host.append((time.perf_counter() - t0) / repeat)
             b.record(self.stream)
             b.synchronize()
             out.append(cuda.event_elapsed_time(a, b) / 1e3 / repeat)
+        #: host seconds per call (Python + launch); when it reaches the device time
+        #: the case is host-bound and the GB/s understate the kernel
+        self.host = float(np.median(host))
         return float(np.median(out))
 
 
@@ -307,6 +313,7 @@ def run(args):
                     tagd = "bfloat16" if dtype == "bfloat16" else None
                     call, result = ours(op, direction, D, tagd, stream)
                     t = timer(call, args.repeat, args.samples)
+                    host_t = timer.host
                     stream.synchronize()
                     err = check(op, direction, d, result(), dtype)
                     nbytes = traffic(op, direction, d)
@@ -320,7 +327,7 @@ def run(args):
                             tt = _time_torch(fn, args)
                     rows_out.append(dict(op=op, dir=direction, dtype=dtype, shape=shape,
                                          t=t, gbs=nbytes / t / 1e9, copy=tc / t,
-                                         torch=tt, tnote=tnote, err=err))
+                                         torch=tt, tnote=tnote, err=err, host=host_t))
                     print(_row(rows_out[-1]), file=sys.stderr, flush=True)
                     del D
     return rows_out
@@ -344,7 +351,7 @@ def _time_torch(fn, args):
 
 
 HEADER = ("| op | dir | dtype | shape | ms | GB/s | % copy | target | torch ms | vs torch "
-          "| max err |\n|---|---|---|---|---:|---:|---:|---|---:|---:|---:|")
+          "| max err | host us/call |\n|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|")
 
 
 def _row(r):
@@ -357,7 +364,8 @@ def _row(r):
         err += " FAIL"
     return (f"| {r['op']} | {r['dir']} | {r['dtype']} | {r['shape'][0]}x{r['shape'][1]} | "
             f"{r['t'] * 1e3:.3f} | {r['gbs']:.0f} | {100 * r['copy']:.0f}% | "
-            f">={100 * tgt:.0f}%: {'met' if ok else 'MISSED'} | {tms} | {vs} | {err} |")
+            f">={100 * tgt:.0f}%: {'met' if ok else 'MISSED'} | {tms} | {vs} | {err} | "
+            f"{r['host'] * 1e6:.0f}{' HOST-BOUND' if r['host'] >= 0.9 * r['t'] else ''} |")
 
 
 def write_table(path, rows, info):
@@ -366,7 +374,9 @@ def write_table(path, rows, info):
         for line in info:
             f.write(f"- {line}\n")
         f.write("\nGB/s of minimal traffic; % copy = device-to-device copy time of the same "
-                "bytes / kernel time (same run); vs torch = torch time / ours (>1: faster).\n\n")
+                "bytes / kernel time (same run); vs torch = torch time / ours (>1: faster); "
+                "host us/call = Python + launch time per call (HOST-BOUND: >= 90% of the "
+                "device time, so the GB/s understate the kernel).\n\n")
         f.write(HEADER + "\n")
         for r in rows:
             f.write(_row(r) + "\n")
