@@ -939,9 +939,14 @@ def write_json(path, result):
         f.write("\n")
 
 
+_COLORS = {OURS: "tab:red", "numpy": "tab:blue", "torch": "tab:orange",
+           "jax": "tab:green", "cupy": "tab:purple", COPY: "black"}
+
+
 def write_plot(path, records):
     """GB/s vs columns, one panel per (op, direction), one line per implementation
-    (and dtype), the copy roofline dashed."""
+    and dtype (one colour per implementation, one line style per dtype; the copy
+    roofline in black)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -962,9 +967,11 @@ def write_plot(path, records):
                 lines.setdefault((r["impl"], r["dtype"]), []).append((r["cols"], r["gbps"]))
         for (impl, dt), pts in sorted(lines.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    linestyle=":" if impl == COPY else styles[dtypes.index(dt) % 4],
-                    color="gray" if impl == COPY else None,
+            ax.plot([p[0] for p in pts], [p[1] for p in pts],
+                    marker="." if impl == COPY else "o",
+                    linestyle=styles[dtypes.index(dt) % 4],
+                    color=_COLORS.get(impl, "tab:olive"),
+                    linewidth=1.0 if impl == COPY else 1.6,
                     label=f"{impl} {dt}" if len(dtypes) > 1 else impl)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{op} {direction} ({dev})")
