@@ -622,7 +622,7 @@ def time_interleaved(impls, repeat):
 
 
 # -------------------------------------------------------------- machine info
-def machine_info():
+def machine_info(commit=None):
     import numba
     info = {"cpu": _cpu_model(), "cores": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(),
@@ -637,7 +637,7 @@ def machine_info():
         info["numba_fused"] = __version__
     except ImportError:
         pass
-    info["commit"] = _git_commit()
+    info["commit"] = commit or _git_commit()
     for mod in ("torch", "jax", "cupy"):
         m = sys.modules.get(mod)
         if m is not None:
@@ -763,6 +763,7 @@ def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng, load):
              for dev in devices for dtype in cfg.dtypes for op in cfg.ops
              for direction in cfg.directions for shape in cfg.shapes]
     records, failures = [], []
+    commit = _git_commit()          # the code that runs: HEAD at the start
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t_start = time.perf_counter()
     for i, (dev, op, direction, dtype, shape) in enumerate(cases, 1):
@@ -839,7 +840,7 @@ def _run(cfg, log, note, notes, devices, wanted, missing, seed, rng, load):
             "seed": seed, "repeat": cfg.repeat, "alloc": cfg.alloc,
             "weight_dtype": cfg.weight_dtype, "loadavg_start": load,
             "wall_s": time.perf_counter() - t_start,
-            "tolerances": dict(TOLERANCES), "machine": machine_info()}
+            "tolerances": dict(TOLERANCES), "machine": machine_info(commit)}
     return {"meta": meta, "records": records, "notes": notes, "failures": failures}
 
 
