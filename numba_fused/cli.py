@@ -52,7 +52,12 @@ Weights and biases are in the input's dtype (bfloat16 on a GPU: uint16 bits), or
 float32 with --weight-dtype float32.
 Inputs are fresh normal random numbers (--seed to repeat them).
 
-Progress goes to stderr, the table to stdout.
+On a GPU each sample is bracketed by cuda.synchronize().
+
+Output: progress on stderr, the table (one row per case) to stdout. --json writes
+{"meta": {date, command, seed, tolerances, machine: {cpu, cores, numba,
+threading_layer, numba_threads, commit, loadavg, peer versions}}, "records": [one
+per case and implementation, the --csv columns], "notes": [...], "failures": [...]}.
 """
 
 
