@@ -1017,9 +1017,11 @@ def _grid(rows, cfg, cap=_MAX_GRID):
 
 
 def _stream(stream):
+    """The launch stream: the caller's (resolved like DeviceContext.check_stream:
+    numba stream, torch-style ``cuda_stream`` object or int handle) or the default."""
     if stream is None:
-        return cuda.default_stream()
-    return stream
+        return DEVICE.stream
+    return DEVICE._resolve_stream(stream)
 
 
 _SCRATCH = {}
@@ -1031,10 +1033,11 @@ def _scratch(stream, slot, shape, dtype):
     stream run in order, so the next call may reuse it; other streams and threads
     get their own. Grows to the largest request (no cudaMalloc per call)."""
     n = int(np.prod(shape))
-    handle = 0 if SIM else getattr(stream, "handle", None)
-    handle = getattr(handle, "value", handle)
-    key = (id(stream) if handle is None else int(handle or 0), threading.get_ident(),
-           slot, np.dtype(dtype).str)
+    try:
+        handle = 0 if SIM else int(stream.handle or 0)   # numba Stream.handle: CUstream
+    except (AttributeError, TypeError, ValueError):
+        handle = id(stream)
+    key = (handle, threading.get_ident(), slot, np.dtype(dtype).str)
     with _SCRATCH_LOCK:
         buf = _SCRATCH.get(key)
         if buf is None or buf.size < n:
