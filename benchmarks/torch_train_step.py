@@ -16,6 +16,13 @@ frozen weight cannot skip; see numba_fused/torch.py).
 
     python benchmarks/torch_train_step.py            # markdown table to stdout
     python benchmarks/torch_train_step.py --quick    # small shapes, few rounds
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/torch_train_step.py
+
+torch (its bundled libgomp) and numba's omp layer (the system libgomp) run two
+OpenMP thread pools; with the default spin-waiting, each pool's idle threads spin
+while the other works. On an idle machine that costs little; on a loaded 2-core
+machine it made medians 10-100x the best rounds. OMP_WAIT_POLICY=PASSIVE (read by
+both runtimes at start-up) removed that; --threads 1 avoids it too.
 """
 import argparse
 import datetime
