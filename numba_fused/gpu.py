@@ -1169,17 +1169,27 @@ KERNELS = _Kernels()
 # ============================================================ device context
 class DeviceTensor:
     """A numba device array (``raw``, any dtype numba knows) with its *logical*
-    dtype (float16/bfloat16 may travel as 16-bit integer bits)."""
-    __slots__ = ("raw", "dtype", "readonly")
+    dtype (float16/bfloat16 may travel as 16-bit integer bits). Shape, strides and
+    the data pointer are read once (the dispatcher asks for them many times)."""
+    __slots__ = ("raw", "dtype", "readonly", "shape", "strides", "ndim", "size", "_ptr")
 
     def __init__(self, raw, dtype, readonly=False):
         self.raw, self.dtype, self.readonly = raw, np.dtype(dtype), readonly
+        self.shape = tuple(raw.shape)
+        self.strides = tuple(raw.strides)
+        self.ndim = len(self.shape)
+        self.size = math.prod(self.shape)
+        self._ptr = None
 
-    shape = property(lambda self: tuple(self.raw.shape))
-    ndim = property(lambda self: len(self.raw.shape))
-    size = property(lambda self: int(np.prod(self.raw.shape, dtype=np.int64)))
-    strides = property(lambda self: tuple(self.raw.strides))
-    itemsize = property(lambda self: self.dtype.itemsize)
+    @property
+    def itemsize(self):
+        return self.dtype.itemsize
+
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            self._ptr = _ptr(self.raw)
+        return self._ptr
 
     def __repr__(self):
         return f"DeviceTensor(shape={self.shape}, dtype={self.dtype})"
@@ -1357,6 +1367,13 @@ class DeviceContext:
         (computed on a stand-in with the same strides), else None."""
         raw = a.raw
         shape = tuple(int(s) for s in shape)
+        if a.size and _c_strides(a.shape, a.strides, raw.dtype.itemsize):
+            if -1 in shape:
+                known = math.prod(v for v in shape if v != -1)
+                shape = tuple(a.size // known if v == -1 else v for v in shape)
+            if math.prod(shape) != a.size:
+                return None
+            return DeviceTensor(raw.reshape(shape), a.dtype, a.readonly)   # fast path
         ghost = np.lib.stride_tricks.as_strided(np.zeros(1, raw.dtype), raw.shape,
                                                 raw.strides)
         try:
@@ -1368,8 +1385,8 @@ class DeviceContext:
     @staticmethod
     def _extent(a):
         raw = a.raw
-        lo = hi = _ptr(raw)
-        for n, s in zip(raw.shape, raw.strides):
+        lo = hi = a.ptr
+        for n, s in zip(a.shape, a.strides):
             if n == 0:
                 return lo, lo
             if s > 0:
@@ -1384,8 +1401,7 @@ class DeviceContext:
         return al < bh and bl < ah and ah > al and bh > bl
 
     def same_buffer(self, a, b):
-        return (_ptr(a.raw) == _ptr(b.raw) and a.shape == b.shape
-                and a.strides == b.strides)
+        return a.ptr == b.ptr and a.shape == b.shape and a.strides == b.strides
 
     def writeable(self, a):
         return not a.readonly
@@ -1402,6 +1418,16 @@ class DeviceContext:
         if a.dtype == D.bfloat16:
             return a.raw if a.raw.dtype == np.uint16 else a.raw.view(np.uint16)
         return a.raw
+
+
+def _c_strides(shape, strides, itemsize):
+    """True when (shape, strides) is C-contiguous (unit axes ignored)."""
+    step = itemsize
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n != 1 and st != step:
+            return False
+        step *= n
+    return True
 
 
 def _strided_view(raw, shape, strides):
