@@ -100,11 +100,10 @@ class _Cuda:
     device current (numba uses the context torch made current on the thread)."""
 
     def __init__(self, x):
-        from numba import cuda            # only CUDA users import numba.cuda
         self.device = x.device
         self._guard = torch.cuda.device(x.device)
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        self.kw = {"stream": cuda.external_stream(stream)}
+        # an int CUstream handle: the GPU backend wraps it with cuda.external_stream
+        self.kw = {"stream": int(torch.cuda.current_stream(x.device).cuda_stream)}
         if x.dtype == torch.bfloat16:
             self.kw["dtype"] = "bfloat16"
 
