@@ -85,12 +85,14 @@ def _sum(x):
 
 @_reduction
 def _sum_sq(x, center):
-    """sum((x - center)**2)."""
-    s = acc(x, 0.0)
+    """(sum((x - center)**2), sum(x - center))."""
+    ss = acc(x, 0.0)
+    sd = acc(x, 0.0)
     for c in range(x.shape[0]):
         d = widen(x[c]) - center
-        s += d * d
-    return s
+        ss += d * d
+        sd += d
+    return ss, sd
 
 
 @_reduction
@@ -135,7 +137,7 @@ def _softmax_bwd_row(y, dy, dx):
 def _rms_norm_fwd_row(x, weight, eps, y):
     """rstd = 1 / sqrt(mean(x**2) + eps); y = x * rstd * weight. Returns rstd."""
     cols = x.shape[0]
-    rstd = acc(x, 1.0) / np.sqrt(_sum_sq(x, acc(x, 0.0)) / acc(x, cols) + acc(x, eps))
+    rstd = acc(x, 1.0) / np.sqrt(_sum_sq(x, acc(x, 0.0))[0] / acc(x, cols) + acc(x, eps))
     for c in range(cols):
         v = widen(x[c]) * rstd
         if weight is not None:
@@ -166,12 +168,21 @@ def _rms_norm_bwd_row(dy, x, weight, rstd, dx, dweight):
 @_row
 def _layer_norm_fwd_row(x, weight, bias, eps, y):
     """Two-pass mean and biased variance (the row is in cache for the second
-    pass; E[x^2] - mean^2 cancels catastrophically). rstd = 1 / sqrt(var + eps);
-    y = (x - mean) * rstd * weight + bias. Returns (mean, rstd)."""
+    pass; E[x^2] - mean^2 cancels catastrophically). The second pass also sums
+    the deviations, which corrects the rounding of the first-pass mean (it
+    matters for rows whose mean is large against their spread):
+    mean = m0 + sum(d)/n, var = (sum(d**2) - sum(d)**2/n)/n with d = x - m0.
+    rstd = 1 / sqrt(var + eps); y = (x - mean) * rstd * weight + bias.
+    Returns (mean, rstd)."""
     cols = x.shape[0]
     inv_cols = acc(x, 1.0) / acc(x, cols)
     mean = _sum(x) * inv_cols
-    rstd = acc(x, 1.0) / np.sqrt(_sum_sq(x, mean) * inv_cols + acc(x, eps))
+    ss, sd = _sum_sq(x, mean)
+    shift = sd * inv_cols
+    mean = mean + shift
+    var = ss * inv_cols - shift * shift
+    var = acc(x, 0.0) if var < acc(x, 0.0) else var   # rounding; NaN stays NaN
+    rstd = acc(x, 1.0) / np.sqrt(var + acc(x, eps))
     for c in range(cols):
         v = (widen(x[c]) - mean) * rstd
         if weight is not None:
