@@ -52,7 +52,8 @@ FLAGS = {"softmax_fwd": {}, "softmax_bwd": {}, "rms_norm_fwd": dict(has_w=True),
          "layer_norm_fwd": dict(has_w=True, has_b=True),
          "layer_norm_bwd": dict(has_w=True, need_dw=True, need_db=True)}
 # (label, cols, vectorized): register-cached, streaming, and scalar (misaligned cols)
-SHAPES = [("cached", 4096, True), ("stream", 262144, True), ("scalar", 4097, False)]
+SHAPES = [("cached", 4096, True), ("stream", 262144, True), ("scalar", 4097, False),
+          ("short", 256, True)]   # bf16: a warp per row; float64: its register cache
 CCS = [(8, 0), (9, 0)]
 
 
@@ -95,7 +96,8 @@ def ptx_of(op, dt, shape, cc, wdt=None):
 
 CASES = ([(op, dt, "cached", cc) for op in OPS for dt in STORAGE for cc in CCS]
          + [(op, dt, shape, (9, 0)) for op in OPS for dt in ("f32", "f64", "bf16")
-            for shape in ("stream", "scalar")])     # f16 differs from bf16 only in cvt
+            for shape in ("stream", "scalar")]     # f16 differs from bf16 only in cvt
+         + [(op, dt, "short", (9, 0)) for op in OPS for dt in ("f64", "bf16")])
 
 
 def _ids(c):
@@ -143,6 +145,8 @@ def test_config_table_variety():
     assert any(k[2] == 1 for k in cfgs) and any(k[2] > 1 for k in cfgs)
     short = gpu.HW_TABLE.choose(128, 8, False)
     assert short.G == 32 and short.RPB == 4      # a warp per row for short rows
+    assert any(k[0] == 32 and k[1] > 1 for k in cfgs)          # ... and compiled above
+    assert any(ptx_of(op, "f64", "short", (9, 0))[1].NV > 0 for op in FWD)
 
 
 def _aux_sigs():
