@@ -19,6 +19,7 @@ import numpy as np
 from . import _dtypes as D
 
 _DTYPE_NAMES = "float32, float64, float16 or bfloat16"
+_SUPPORTED = frozenset(D.SUPPORTED)     # hashed: a tuple scan compares dtypes one by one
 
 
 # ------------------------------------------------------------------ contexts
@@ -99,6 +100,10 @@ def _is_device_array(obj):
 
 def _context(named, stream):
     """The context of a call's array arguments; host and device must not mix."""
+    if all(type(a) is np.ndarray or a is None for _, a in named):
+        if stream is not None:
+            HOST.check_stream(stream)
+        return HOST                      # the common case, without the scans below
     present = [(n, a) for n, a in named if a is not None]
     on_device = [n for n, a in present if _is_device_array(a)]
     if not on_device:
@@ -117,7 +122,7 @@ def _context(named, stream):
 # -------------------------------------------------------------------- checks
 def _check_input(ctx, obj, name, dtype=None):
     a = ctx.wrap(obj, name, dtype)
-    if a.dtype not in D.SUPPORTED:
+    if a.dtype not in _SUPPORTED:
         raise TypeError(f"{name} has dtype {a.dtype}; expected {_DTYPE_NAMES}")
     if a.ndim == 0:
         raise ValueError(f"{name} must have at least one dimension, got a 0-d array")
@@ -209,6 +214,11 @@ def _rows_views(ctx, inputs, output):
     """
     shape = output.array.shape
     inputs = list(inputs)
+    if ctx is HOST and all(a is None or a.flags.c_contiguous for a in inputs) \
+            and output.array.flags.c_contiguous:
+        new = (1, math.prod(shape[:-1]), shape[-1])      # the common case
+        return [None if a is None else D.to_storage(a.reshape(new))
+                for a in inputs + [output.array]]
     views = _split_views(ctx, inputs + [output.array], shape)
     if views is None:
         inputs = [a if a is None or _split_views(ctx, [a], shape) else ctx.contiguous(a)
