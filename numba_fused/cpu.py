@@ -47,8 +47,13 @@ FLAGS = frozenset({'nsz', 'arcp', 'afn', 'reassoc'})
 _reduction = njit(fastmath=set(FLAGS), cache=True, nogil=True, error_model='numpy')
 _row = njit(cache=True, nogil=True, error_model='numpy')
 
-#: calls with fewer elements than this run the serial kernels
+#: calls with fewer elements than this run the serial kernels: where a 2-thread
+#: parallel launch (~2 us) stopped paying on the project's 2-core machine (measured
+#: 2026-12-02: rms_norm fwd serial 3.7 us vs parallel 3.65 us at 32768 elements).
 SERIAL_BELOW = 1 << 15
+#: softmax forward (an exp per element) pays for a parallel launch much earlier
+#: (serial 4.65 us vs parallel 4.20 us at 8192 elements, 1024 columns).
+_SERIAL_BELOW_BY_KERNEL = {"softmax_fwd": 1 << 13}
 #: at most this many dweight/dbias partial rows, and at most _PARTIAL_ELEMS floats
 MAX_CHUNKS = 32
 _PARTIAL_ELEMS = 1 << 21
@@ -325,7 +330,8 @@ _needs_lock = True   # until the first parallel launch shows which layer loaded
 
 
 def _run(name, x, *args):
-    """Run kernel ``name``: serial below SERIAL_BELOW elements, else parallel.
+    """Run kernel ``name``: serial below its threshold (SERIAL_BELOW, or the
+    kernel's own in _SERIAL_BELOW_BY_KERNEL) in elements, else parallel.
 
     numba's workqueue threading layer aborts the process when two Python threads
     launch parallel kernels at once; with it (and until the first launch tells
@@ -333,7 +339,7 @@ def _run(name, x, *args):
     thread-safe and take no lock.
     """
     global _needs_lock
-    if x.size < SERIAL_BELOW:
+    if x.size < _SERIAL_BELOW_BY_KERNEL.get(name, SERIAL_BELOW):
         return SERIAL[name](*args)
     if not _needs_lock:
         return PARALLEL[name](*args)
