@@ -65,47 +65,37 @@ def _csv(s):
     return [p.strip() for p in s.split(",") if p.strip()]
 
 
-def _ops(s):
-    alias = {"rmsnorm": "rms_norm", "layernorm": "layer_norm", "rms": "rms_norm",
-             "ln": "layer_norm"}
-    if s == "all":
-        return B.OPS
+def _choices(s, allowed, alias, what, everything=None):
+    """A comma-separated list of names from ``allowed`` (after ``alias``), in order;
+    ``everything`` stands for all of ``allowed``."""
+    if everything is not None and s == everything:
+        return tuple(allowed)
     out = []
     for p in _csv(s):
         p = alias.get(p.lower(), p.lower())
-        if p not in B.OPS:
-            raise argparse.ArgumentTypeError(f"unknown op {p!r}; choose from "
-                                             + ", ".join(B.OPS))
+        if p not in allowed:
+            raise argparse.ArgumentTypeError(f"unknown {what} {p!r}; choose from "
+                                             + ", ".join(allowed))
         out.append(p)
     return tuple(out)
+
+
+def _ops(s):
+    return _choices(s, B.OPS, {"rmsnorm": "rms_norm", "layernorm": "layer_norm",
+                               "rms": "rms_norm", "ln": "layer_norm"}, "op", "all")
 
 
 def _dtypes(s):
-    alias = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "f16": "float16",
-             "fp16": "float16", "half": "float16", "f64": "float64", "fp64": "float64"}
-    out = []
-    for p in _csv(s):
-        p = alias.get(p.lower(), p.lower())
-        if p not in B.TOLERANCES:
-            raise argparse.ArgumentTypeError(f"unknown dtype {p!r}; choose from "
-                                             + ", ".join(B.TOLERANCES))
-        out.append(p)
-    return tuple(out)
+    return _choices(s, tuple(B.TOLERANCES),
+                    {"f32": "float32", "fp32": "float32", "bf16": "bfloat16",
+                     "f16": "float16", "fp16": "float16", "half": "float16",
+                     "f64": "float64", "fp64": "float64"}, "dtype")
 
 
 def _directions(s):
-    alias = {"fwdbwd": "fwd+bwd", "fwd_bwd": "fwd+bwd", "both": "fwd+bwd",
-             "forward": "fwd", "backward": "bwd"}
-    if s == "all":
-        return B.DIRECTIONS
-    out = []
-    for p in _csv(s):
-        p = alias.get(p.lower(), p.lower())
-        if p not in B.DIRECTIONS:
-            raise argparse.ArgumentTypeError(f"unknown direction {p!r}; choose from "
-                                             + ", ".join(B.DIRECTIONS))
-        out.append(p)
-    return tuple(out)
+    return _choices(s, B.DIRECTIONS, {"fwdbwd": "fwd+bwd", "fwd_bwd": "fwd+bwd",
+                                      "both": "fwd+bwd", "forward": "fwd",
+                                      "backward": "bwd"}, "direction", "all")
 
 
 def _shapes(s):
