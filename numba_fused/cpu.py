@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._dtypes import acc, narrow, widen
+from ._dtypes import acc, acc_dtype, narrow, widen
 from ._vecmath import fexp, fmax
 
 # Reductions are compiled with reassociation so LLVM vectorizes them (several
@@ -353,14 +353,10 @@ def param_chunks(rows, cols):
     return max(1, min(rows, MAX_CHUNKS, _PARTIAL_ELEMS // max(cols, 1)))
 
 
-def _partials(out, rows, acc_dtype):
+def _partials(out, rows, dtype):
     if out is None:
         return None
-    return np.zeros((param_chunks(rows, out.shape[0]), out.shape[0]), acc_dtype)
-
-
-def _acc_dtype(x):
-    return np.float64 if x.dtype == np.float64 else np.float32
+    return np.zeros((param_chunks(rows, out.shape[0]), out.shape[0]), dtype)
 
 
 # ----------------------------------------------------------- backend entry
@@ -383,7 +379,7 @@ def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
 
 def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
     rows = x.shape[0] * x.shape[1]
-    parts = _partials(dweight, rows, _acc_dtype(x))
+    parts = _partials(dweight, rows, acc_dtype(x.dtype))
     chunks = rows if parts is None else parts.shape[0]
     _run("rms_norm_bwd", x, dy, x, weight, rstd, dx, parts, chunks)
     if parts is not None:
@@ -392,8 +388,8 @@ def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
 
 def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
     rows = x.shape[0] * x.shape[1]
-    wparts = _partials(dweight, rows, _acc_dtype(x))
-    bparts = _partials(dbias, rows, _acc_dtype(x))
+    wparts = _partials(dweight, rows, acc_dtype(x.dtype))
+    bparts = _partials(dbias, rows, acc_dtype(x.dtype))
     some = wparts if wparts is not None else bparts
     chunks = rows if some is None else some.shape[0]
     _run("layer_norm_bwd", x, dy, x, weight, mean, rstd, dx, wparts, bparts, chunks)
