@@ -273,6 +273,14 @@ class _Output:
         return self.ctx.result(self.array)
 
 
+def _param_grad(ctx, p, x):
+    """dweight/dbias buffer: the kernels write every element when x is not empty
+    (fresh zeros would fault every page in again); a sum over no rows is 0."""
+    if p is None:
+        return None
+    return ctx.empty(p.shape, p.dtype) if x.size else ctx.zeros(p.shape, p.dtype)
+
+
 def _param_storage(ctx, p):
     return None if p is None else ctx.storage(ctx.contiguous(p))
 
@@ -356,7 +364,7 @@ def rms_norm_bwd(dy, x, weight, rstd, *, out=None, dtype=None, stream=None):
                      [("dy", dy), ("x", x), ("weight", weight), ("rstd", rstd)],
                      may_be="dy", tag=dtype)
     dx = _Output(ctx, out, x.shape, x.dtype)
-    dweight = None if weight is None else ctx.zeros(weight.shape, weight.dtype)
+    dweight = _param_grad(ctx, weight, x)
     if x.size:
         dyv, xv, dxv = _rows_views(ctx, [dy, x], dx)
         ctx.kernels.rms_norm_bwd(dyv, xv, _param_storage(ctx, weight),
@@ -420,8 +428,8 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, *, out=None, dtype=None,
                      [("dy", dy), ("x", x), ("weight", weight), ("bias", bias),
                       ("mean", mean), ("rstd", rstd)], may_be="dy", tag=dtype)
     dx = _Output(ctx, out, x.shape, x.dtype)
-    dweight = None if weight is None else ctx.zeros(weight.shape, weight.dtype)
-    dbias = None if bias is None else ctx.zeros(bias.shape, bias.dtype)
+    dweight = _param_grad(ctx, weight, x)
+    dbias = _param_grad(ctx, bias, x)
     if x.size:
         dyv, xv, dxv = _rows_views(ctx, [dy, x], dx)
         ctx.kernels.layer_norm_bwd(dyv, xv, _param_storage(ctx, weight),
