@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._dtypes import acc, acc_dtype, narrow, widen
+from ._dtypes import acc, narrow, widen
 from ._vecmath import fexp_nonpos, fmax
 
 # Reductions are compiled with reassociation so LLVM vectorizes them (several
@@ -245,6 +245,17 @@ def _acc_empty_impl(x, n):
     return lambda x, n: np.empty(n, dt)
 
 
+def _sum_into(partials, out):
+    raise NotImplementedError
+
+
+@overload(_sum_into)
+def _sum_into_impl(partials, out):
+    if isinstance(partials, types.NoneType):
+        return lambda partials, out: None
+    return lambda partials, out: _sum_partials(partials, out)
+
+
 @njit(cache=True, nogil=True)
 def _sum_partials(partials, out):
     """out[c] = sum over chunks, in chunk order (deterministic), rounded once.
@@ -300,8 +311,10 @@ def _build(loop):
             o, i = r // inner, r % inner
             mean[r], rstd[r] = _layer_norm_fwd_row(x[o, i], weight, bias, eps, y[o, i])
 
+    # dweight/dbias partials are summed in the driver, after the row loop: one
+    # dispatch per call (a second numba call cost ~0.4 us, measured).
     @njit(**opts)
-    def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks):
+    def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks, dweight):
         inner = x.shape[1]
         rows = x.shape[0] * inner
         for k in loop(chunks):
@@ -311,10 +324,11 @@ def _build(loop):
                 o, i = r // inner, r % inner
                 _rms_norm_bwd_row(dy[o, i], x[o, i], weight, rstd[r], dx[o, i], part,
                                   r == start)
+        _sum_into(dweight_parts, dweight)
 
     @njit(**opts)
     def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
-                       chunks):
+                       chunks, dweight, dbias):
         inner = x.shape[1]
         rows = x.shape[0] * inner
         for k in loop(chunks):
@@ -325,6 +339,8 @@ def _build(loop):
                 o, i = r // inner, r % inner
                 _layer_norm_bwd_row(dy[o, i], x[o, i], weight, mean[r], rstd[r],
                                     dx[o, i], wpart, bpart, r == start)
+        _sum_into(dweight_parts, dweight)
+        _sum_into(dbias_parts, dbias)
 
     return dict(softmax_fwd=softmax_fwd, softmax_bwd=softmax_bwd,
                 rms_norm_fwd=rms_norm_fwd, rms_norm_bwd=rms_norm_bwd,
@@ -335,6 +351,7 @@ PARALLEL = _build(prange)
 SERIAL = _build(range)
 
 
+_serial_below = {name: _SERIAL_BELOW_BY_KERNEL.get(name, SERIAL_BELOW) for name in SERIAL}
 _launch_lock = threading.Lock()
 _needs_lock = True   # until the first parallel launch shows which layer loaded
 
@@ -349,7 +366,7 @@ def _run(name, x, *args):
     thread-safe and take no lock.
     """
     global _needs_lock
-    if x.size < _SERIAL_BELOW_BY_KERNEL.get(name, SERIAL_BELOW):
+    if x.size < _serial_below[name]:
         return SERIAL[name](*args)
     if not _needs_lock:
         return PARALLEL[name](*args)
@@ -370,15 +387,20 @@ class _Scratch:
     write, inside the kernel: measured 7 ms of a 10 ms 16x262144 LayerNorm
     backward on this project's VM. Buffers are taken and given back under a lock,
     so concurrent calls never share one; their contents are garbage (the first
-    row of each chunk assigns).
+    row of each chunk assigns). Buffers under ``small`` bytes come from malloc's
+    heap, whose pages are already mapped: they are plain ``np.empty`` and skip the
+    lock (it cost ~1 us of a 5 us small call).
     """
 
-    def __init__(self, limit=32 << 20):
-        self._free, self._bytes, self._limit = {}, 0, limit
+    def __init__(self, limit=32 << 20, small=256 << 10):
+        self._free, self._bytes, self._limit, self._small = {}, 0, limit, small
         self._lock = threading.Lock()
 
     def take(self, shape, dtype):
-        key = (shape, np.dtype(dtype))
+        dtype = np.dtype(dtype)
+        if shape[0] * shape[1] * dtype.itemsize < self._small:
+            return np.empty(shape, dtype)
+        key = (shape, dtype)
         with self._lock:
             free = self._free.get(key)
             if free:
@@ -388,8 +410,8 @@ class _Scratch:
         return np.empty(shape, dtype)
 
     def give(self, a):
-        if a is None:
-            return
+        if a is None or a.nbytes < self._small or a.base is not None:
+            return      # small, or a view of a caller's buffer (see _partials)
         with self._lock:
             if self._bytes + a.nbytes <= self._limit:
                 self._free.setdefault((a.shape, a.dtype), []).append(a)
@@ -400,9 +422,14 @@ _SCRATCH = _Scratch()
 
 
 def _partials(out, rows, dtype):
+    """Partial rows for ``out`` (dweight/dbias): one chunk in the accumulator
+    type is ``out`` itself (summing one partial is a copy)."""
     if out is None:
         return None
-    return _SCRATCH.take((param_chunks(rows, out.shape[0]), out.shape[0]), dtype)
+    chunks = 1 if rows == 1 else param_chunks(rows, out.shape[0])
+    if chunks == 1 and out.dtype == dtype:
+        return out[None]
+    return _SCRATCH.take((chunks, out.shape[0]), dtype)
 
 
 # ----------------------------------------------------------- backend entry
@@ -425,25 +452,22 @@ def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
 
 def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
     rows = x.shape[0] * x.shape[1]
-    parts = _partials(dweight, rows, acc_dtype(x.dtype))
+    parts = _partials(dweight, rows, rstd.dtype)      # rstd is in the accumulator type
     chunks = rows if parts is None else parts.shape[0]
-    _run("rms_norm_bwd", x, dy, x, weight, rstd, dx, parts, chunks)
-    if parts is not None:
-        _sum_partials(parts, dweight)
-        _SCRATCH.give(parts)
+    _run("rms_norm_bwd", x, dy, x, weight, rstd, dx, parts, chunks, dweight)
+    _SCRATCH.give(parts)
 
 
 def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
     rows = x.shape[0] * x.shape[1]
-    wparts = _partials(dweight, rows, acc_dtype(x.dtype))
-    bparts = _partials(dbias, rows, acc_dtype(x.dtype))
+    wparts = _partials(dweight, rows, rstd.dtype)     # rstd is in the accumulator type
+    bparts = _partials(dbias, rows, rstd.dtype)
     some = wparts if wparts is not None else bparts
     chunks = rows if some is None else some.shape[0]
-    _run("layer_norm_bwd", x, dy, x, weight, mean, rstd, dx, wparts, bparts, chunks)
-    for parts, out in ((wparts, dweight), (bparts, dbias)):
-        if parts is not None:
-            _sum_partials(parts, out)
-            _SCRATCH.give(parts)
+    _run("layer_norm_bwd", x, dy, x, weight, mean, rstd, dx, wparts, bparts, chunks,
+         dweight, dbias)
+    _SCRATCH.give(wparts)
+    _SCRATCH.give(bparts)
 
 
 def warmup(dtypes=None, verbose=False):

@@ -310,6 +310,64 @@ def test_strided_out(rng, op, dtype, shape, layout):
     assert np.isnan(base.astype(np.float32)).sum() == nan_before - out.size
 
 
+# ============================================================ host fast path
+FAST_SHAPES = [(1, 1024), (7,), (6, 4, 33), (40, 8, 130), (1, 70000)]
+
+
+@pytest.mark.parametrize("params", ["x+f32", "none"])
+@pytest.mark.parametrize("shape", FAST_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", OPS)
+def test_fast_path_matches_general_path(rng, monkeypatch, op, dtype, shape, params):
+    """A call of C-contiguous NumPy arrays without out= takes the dispatcher's
+    fast path (it never builds a context): the same bits as the general path
+    (out=), correct against the reference, inputs untouched, fresh outputs."""
+    from numba_fused import _dispatch
+    d = _make_case(op, rng, shape, dtype)
+    if params == "none":
+        d = {k: (None if k in ("weight", "bias") else v) for k, v in d.items()}
+        if op in ("rms_norm_bwd", "layer_norm_bwd"):      # stats of the unweighted forward
+            fwd = call_op(op.replace("bwd", "fwd"), d)
+            d.update(zip(("mean", "rstd") if op == "layer_norm_bwd" else ("rstd",), fwd[1:]))
+    orig = copies(*d.values())
+    general = call_op(op, d, out=poisoned(shape, dtype))
+
+    def no_context(*a, **k):
+        raise AssertionError("the fast path built a context")
+    monkeypatch.setattr(_dispatch, "_context", no_context)
+    fast = call_op(op, d)
+    monkeypatch.undo()
+    assert_unmodified(orig, list(d.values()), list(d))
+    for f, g in zip(fast, general):
+        if g is None:
+            assert f is None
+            continue
+        assert_bits_equal(f, g, f"{op} fast vs general path")
+        assert f.flags.c_contiguous and f.flags.owndata
+        assert not any(np.shares_memory(f, v) for v in d.values() if v is not None)
+    check_op(op, d, fast)
+
+
+def test_param_grad_buffers_are_not_reused_across_calls(rng):
+    """One-row backward writes dweight directly (its one partial row); that
+    buffer belongs to the caller and must never come back from the scratch pool
+    as another call's partials (a bfloat16 weight takes float32 partials of the
+    same shape from the pool)."""
+    cols = 70000                      # partials above the pool's small-buffer size
+    x = draw(rng, (1, cols), F32)
+    w = draw_param(rng, cols, "x", F32)
+    dx, dw = nf.rms_norm_bwd(x, x, w, nf.rms_norm_fwd(x, w)[1])
+    _, _, db = nf.layer_norm_bwd(x, x, w, w, *nf.layer_norm_fwd(x, w, w)[1:])
+    keep_w, keep_b = dw.copy(), db.copy()
+    xb = draw(rng, (1, cols), BF16)
+    wb = draw_param(rng, cols, "x", BF16)
+    for _ in range(2):
+        nf.rms_norm_bwd(xb, xb, wb, nf.rms_norm_fwd(xb, wb)[1])
+        nf.layer_norm_bwd(xb, xb, wb, wb, *nf.layer_norm_fwd(xb, wb, wb)[1:])
+    assert_bits_equal(dw, keep_w, "dweight overwritten by a later call")
+    assert_bits_equal(db, keep_b, "dbias overwritten by a later call")
+
+
 # ============================================================= in-place bwd
 @pytest.mark.parametrize("layout", ["C", "cols2", "transpose", "negrows"])
 @pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=["serial", "parallel"])
