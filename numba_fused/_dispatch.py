@@ -19,7 +19,6 @@ import numpy as np
 from . import _dtypes as D
 
 _DTYPE_NAMES = "float32, float64, float16 or bfloat16"
-_SUPPORTED = frozenset(D.SUPPORTED)     # hashed: a tuple scan compares dtypes one by one
 
 
 # ------------------------------------------------------------------ contexts
@@ -38,8 +37,8 @@ class HostContext:
         if not isinstance(obj, np.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray or a CUDA array, "
                             f"got {type(obj).__name__}")
-        if dtype is not None and np.dtype(dtype) != obj.dtype:
-            raise TypeError(f"dtype={np.dtype(dtype)} disagrees with {name}'s dtype "
+        if dtype is not None and D.as_dtype(dtype) != obj.dtype:
+            raise TypeError(f"dtype={D.as_dtype(dtype)} disagrees with {name}'s dtype "
                             f"{obj.dtype}; dtype= only tags raw CUDA bit arrays")
         return obj
 
@@ -122,7 +121,7 @@ def _context(named, stream):
 # -------------------------------------------------------------------- checks
 def _check_input(ctx, obj, name, dtype=None):
     a = ctx.wrap(obj, name, dtype)
-    if a.dtype not in _SUPPORTED:
+    if not D.is_supported(a.dtype):
         raise TypeError(f"{name} has dtype {a.dtype}; expected {_DTYPE_NAMES}")
     if a.ndim == 0:
         raise ValueError(f"{name} must have at least one dimension, got a 0-d array")
@@ -296,8 +295,8 @@ def _stats_storage(ctx, s):
 # general path cost ~8 us, most of a (1, 1024) call). Everything else, valid or
 # not, takes the general path, which alone reports errors; the fast path only
 # accepts what the general path would accept, and computes the same thing.
-_HOST_STORAGE = {dt: D.storage_dtype(dt) for dt in D.SUPPORTED}
-_HOST_ACC = {dt: D.acc_dtype(dt) for dt in D.SUPPORTED}
+_HOST_STORAGE = D._STORAGE     # the shared tables: bfloat16 joins them on first sight
+_HOST_ACC = D._ACC
 
 
 def _host_ok(x, like=(), params=(), stats=()):

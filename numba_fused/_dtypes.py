@@ -18,37 +18,75 @@ The conversions are LLVM intrinsics, not table look-ups, so they vectorize
 (``vcvtph2ps`` with F16C; bf16 is a 16-bit shift) and are bit-exact with NumPy and
 ml_dtypes: subnormals, +-inf, NaN, round to nearest even.
 """
+import sys
+
 import numpy as np
-import ml_dtypes
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float16 = np.dtype(np.float16)
 float32 = np.dtype(np.float32)
 float64 = np.dtype(np.float64)
 
-#: dtypes accepted for x/dy/y, in the order the benchmark and docs list them.
-SUPPORTED = (float32, float64, float16, bfloat16)
+# ``bfloat16`` and ``SUPPORTED`` (module attributes, below) are filled in on first
+# need: importing ml_dtypes 0.7 costs ~0.85 s (0.007 s for 0.6; measured
+# 2026-12-03), most of a 1 s import-plus-first-call budget, and a float32 user
+# never needs it. A bfloat16 array implies ml_dtypes is already imported, so
+# recognizing one costs nothing extra.
+_STORAGE = {float32: float32, float64: float64, float16: np.dtype(np.int16)}
+_ACC = {float32: float32, float64: float64, float16: float32,
+        np.dtype(np.int16): float32, np.dtype(np.uint16): float32}   # and storage types
 
-_STORAGE = {float32: float32, float64: float64,
-            float16: np.dtype(np.int16), bfloat16: np.dtype(np.uint16)}
+
+def load_bfloat16():
+    """Register ``ml_dtypes.bfloat16`` (idempotent, thread-safe: the same values
+    are stored by every caller) and return its dtype."""
+    import ml_dtypes
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    _STORAGE[bf16] = np.dtype(np.uint16)
+    _ACC[bf16] = float32
+    module = sys.modules[__name__]
+    #: dtypes accepted for x/dy/y, in the order the benchmark and docs list them.
+    module.SUPPORTED = (float32, float64, float16, bf16)
+    module.bfloat16 = bf16
+    return bf16
+
+
+def __getattr__(name):
+    if name in ("bfloat16", "SUPPORTED"):
+        load_bfloat16()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_supported(dtype):
+    """A dtype x/dy/y may have; the first bfloat16 seen registers ml_dtypes'."""
+    if dtype in _STORAGE:
+        return True
+    if getattr(dtype, "name", None) == "bfloat16" and "bfloat16" not in globals():
+        return dtype == load_bfloat16()
+    return False
+
+
+def as_dtype(dtype):
+    """``np.dtype(dtype)``, also for the name 'bfloat16' before ml_dtypes is imported."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return load_bfloat16()
+    return np.dtype(dtype)
 
 
 def storage_dtype(dtype):
     """The dtype a kernel sees for a logical dtype (halves as integer bits)."""
-    return _STORAGE[np.dtype(dtype)]
-
-
-_ACC = {float32: float32, float64: float64, float16: float32, bfloat16: float32,
-        np.dtype(np.int16): float32, np.dtype(np.uint16): float32}   # and storage types
+    dtype = as_dtype(dtype)
+    is_supported(dtype)
+    return _STORAGE[dtype]
 
 
 def acc_dtype(dtype):
     """Accumulator (and statistics) dtype: float64 for float64, else float32."""
     acc = _ACC.get(dtype) if isinstance(dtype, np.dtype) else None   # hot: ~60 ns
-    return acc if acc is not None else (float64 if np.dtype(dtype) == float64 else float32)
+    return acc if acc is not None else (float64 if as_dtype(dtype) == float64 else float32)
 
 
 def to_storage(a):
@@ -59,7 +97,7 @@ def to_storage(a):
 
 def from_storage(a, dtype):
     """Inverse of ``to_storage``."""
-    dtype = np.dtype(dtype)
+    dtype = as_dtype(dtype)
     return a if a.dtype == dtype else a.view(dtype)
 
 

@@ -70,6 +70,8 @@ from numba import cuda, types
 
 from . import _dtypes as D
 
+D.load_bfloat16()   # device code takes dtype='bfloat16' names and raw uint16 bits
+
 try:
     from numba.core import config as _config
     SIM = bool(_config.ENABLE_CUDASIM)
