@@ -165,7 +165,7 @@ def _check_stats(ctx, obj, name, x):
 
 
 def _check_eps(eps):
-    if type(eps) is float and 0.0 <= eps < math.inf:
+    if _fast_eps(eps):
         return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
@@ -327,27 +327,19 @@ def _host_ok(x, like=(), params=(), stats=()):
 
 def _host_rows(a):
     """The (1, rows, cols) storage view of a C-contiguous array."""
-    v = a[None] if a.ndim == 2 else a.reshape(1, -1, a.shape[-1])
-    st = _HOST_STORAGE[a.dtype]
-    return v if st is a.dtype else v.view(st)
+    return D.to_storage(a[None] if a.ndim == 2 else a.reshape(1, -1, a.shape[-1]))
 
 
 def _host_storage(a):
-    if a is None:
-        return None
-    st = _HOST_STORAGE[a.dtype]
-    return a if st is a.dtype else a.view(st)
+    return None if a is None else D.to_storage(a)
 
 
 def _host_stats(a):
     return a if a.ndim == 1 else a.reshape(-1)
 
 
-def _host_empty_like(p):
-    return None if p is None else np.empty(p.shape, p.dtype)
-
-
 def _fast_eps(eps):
+    """An eps ``_check_eps`` accepts as it is (the common case, without its checks)."""
     return type(eps) is float and 0.0 <= eps < math.inf
 
 
@@ -434,7 +426,7 @@ def rms_norm_bwd(dy, x, weight, rstd, *, out=None, dtype=None, stream=None):
     if (out is None and dtype is None and stream is None
             and _host_ok(x, (dy,), (weight,), (rstd,))):
         dx = np.empty(x.shape, x.dtype)
-        dweight = _host_empty_like(weight)
+        dweight = _param_grad(HOST, weight, x)
         HOST.kernels.rms_norm_bwd(_host_rows(dy), _host_rows(x), _host_storage(weight),
                                   _host_stats(rstd), _host_rows(dx),
                                   _host_storage(dweight))
@@ -513,7 +505,7 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, *, out=None, dtype=None,
     if (out is None and dtype is None and stream is None
             and _host_ok(x, (dy,), (weight, bias), (mean, rstd))):
         dx = np.empty(x.shape, x.dtype)
-        dweight, dbias = _host_empty_like(weight), _host_empty_like(bias)
+        dweight, dbias = _param_grad(HOST, weight, x), _param_grad(HOST, bias, x)
         HOST.kernels.layer_norm_bwd(_host_rows(dy), _host_rows(x), _host_storage(weight),
                                     _host_stats(mean), _host_stats(rstd), _host_rows(dx),
                                     _host_storage(dweight), _host_storage(dbias))

@@ -92,7 +92,7 @@ def acc_dtype(dtype):
 def to_storage(a):
     """View a float16/bfloat16 array as its integer bits; other dtypes unchanged."""
     st = _STORAGE[a.dtype]
-    return a if st == a.dtype else a.view(st)
+    return a if st is a.dtype else a.view(st)    # `is`: hot path; an equal dtype views as itself
 
 
 def from_storage(a, dtype):
