@@ -210,9 +210,20 @@ def _rows_views(ctx, inputs, output):
     that fits no common split (last axis not unit-stride, leading axes that do not
     collapse to two) is copied to C order, which fits every split; an ``out`` that
     does not fit is swapped for a fresh buffer copied back at the end.
+
+    An output that is one of the inputs (``out=dy``) gets that input's view
+    object: the backend contract for an in-place kernel is ``dx is dy``.
     """
+    views = _views(ctx, list(inputs), output)
+    if output.out is not None:      # compared as views: an input may have been copied
+        for k, v in enumerate(views[:-1]):
+            if v is not None and ctx.same_buffer(v, views[-1]):
+                views[-1] = v
+    return views
+
+
+def _views(ctx, inputs, output):
     shape = output.array.shape
-    inputs = list(inputs)
     if ctx is HOST and all(a is None or a.flags.c_contiguous for a in inputs) \
             and output.array.flags.c_contiguous:
         new = (1, math.prod(shape[:-1]), shape[-1])      # the common case
