@@ -214,6 +214,7 @@ def _layer_norm_bwd_row(dy, x, weight, mean, rstd, dx, dweight, dbias, first):
     dot, gsum = _grad_sums(dy, weight, x, mean, rstd)
     dot = dot * inv_cols
     gmean = gsum * inv_cols
+    _accumulate(dbias, dy, first)     # before dx: in place, dx overwrites dy
     dx = _target(dx, dy)
     for c in range(cols):
         d = widen(dy[c])
@@ -223,9 +224,18 @@ def _layer_norm_bwd_row(dy, x, weight, mean, rstd, dx, dweight, dbias, first):
             g = d * widen(weight[c])
         if dweight is not None:
             dweight[c] = d * xhat if first else dweight[c] + d * xhat
-        if dbias is not None:
-            dbias[c] = d if first else dbias[c] + d
         dx[c] = narrow(rstd * (g - xhat * dot - gmean), dx)
+
+
+@_row
+def _accumulate(total, dy, first):
+    """total += dy (= on a chunk's ``first`` row). A loop of its own: as a third
+    output of the LayerNorm store loop (beside dx and dweight) the bfloat16
+    backward ran ~1.6x slower (measured in cache: 1.0-1.1 vs 0.65-0.75 ns per
+    element; float16 and float32 were unaffected)."""
+    if total is not None:
+        for c in range(dy.shape[0]):
+            total[c] = widen(dy[c]) if first else total[c] + widen(dy[c])
 
 
 # ------------------------------------------------------------------ drivers
