@@ -660,3 +660,30 @@ def test_eps_values(rng, dtype, eps):
     yr, mr, rr = ref.layer_norm_fwd(x, None, None, eps)
     stats_close(rstd, rr, dtype, scale=np.abs(rr), what="rstd")
     assert_close(y, yr, cond=ln_fwd_cond(x, None, rr), what="ln y")
+
+
+# ======================================================= layouts in assembly
+def test_non_contiguous_layouts_run_unit_stride_loops():
+    """Rows of a transposed (numba layout 'A') 3-D view reach the row functions
+    as C-contiguous arrays: the drivers' assembly has packed arithmetic and no
+    gathers (strided rows compiled to vgather loads and ran 2-9x slower)."""
+    import re
+    from numba import njit, typeof
+    from numba_fused import cpu
+    rows = np.ones((4, 6, 64), np.float32).transpose(1, 0, 2)
+    assert typeof(rows).layout == "A"
+    out = np.empty((4, 6, 64), np.float32).transpose(1, 0, 2)
+    w, st = np.ones(64, np.float32), np.ones(24, np.float32)
+    part = np.empty((1, 64), np.float32)
+    args = {"softmax_fwd": (rows, out, 1), "softmax_bwd": (rows, rows, out),
+            "rms_norm_fwd": (rows, w, 1e-6, out, st.copy()),
+            "rms_norm_bwd": (rows, rows, w, st, out, part, 1, w.copy()),
+            "layer_norm_fwd": (rows, w, w, 1e-5, out, st.copy(), st.copy()),
+            "layer_norm_bwd": (rows, rows, w, st, st, out, part, part.copy(), 1,
+                               w.copy(), w.copy())}
+    for name, a in args.items():
+        fresh = njit(cpu.SERIAL[name].py_func)      # cached code cannot be inspected
+        fresh(*a)
+        asm = fresh.inspect_asm(fresh.signatures[0])
+        assert "gather" not in asm, f"{name}: strided (gather) loads"
+        assert len(re.findall(r"\bv(?:mul|add|sub|fmadd\w*)ps\s+%?[yz]mm", asm)) >= 4, name
