@@ -214,21 +214,22 @@ def _rows_views(ctx, inputs, output):
     An output that is one of the inputs (``out=dy``) gets that input's view
     object: the backend contract for an in-place kernel is ``dx is dy``.
     """
-    views = _views(ctx, list(inputs), output)
+    raw = _views(ctx, list(inputs), output)
+    views = [None if v is None else ctx.storage(v) for v in raw]
     if output.out is not None:      # compared as views: an input may have been copied
-        for k, v in enumerate(views[:-1]):
-            if v is not None and ctx.same_buffer(v, views[-1]):
-                views[-1] = v
+        for k, v in enumerate(raw[:-1]):
+            if v is not None and ctx.same_buffer(v, raw[-1]):
+                views[-1] = views[k]
     return views
 
 
 def _views(ctx, inputs, output):
+    """The 3-D views (not yet storage views) of inputs + [output.array]."""
     shape = output.array.shape
     if ctx is HOST and all(a is None or a.flags.c_contiguous for a in inputs) \
             and output.array.flags.c_contiguous:
         new = (1, math.prod(shape[:-1]), shape[-1])      # the common case
-        return [None if a is None else D.to_storage(a.reshape(new))
-                for a in inputs + [output.array]]
+        return [None if a is None else a.reshape(new) for a in inputs + [output.array]]
     views = _split_views(ctx, inputs + [output.array], shape)
     if views is None:
         inputs = [a if a is None or _split_views(ctx, [a], shape) else ctx.contiguous(a)
@@ -240,7 +241,7 @@ def _views(ctx, inputs, output):
     if views is None:   # each input fits a split of its own, but not a common one
         inputs = [None if a is None else ctx.contiguous(a) for a in inputs]
         views = _split_views(ctx, inputs + [output.array], shape)
-    return [None if v is None else ctx.storage(v) for v in views]
+    return views
 
 
 def _split_views(ctx, arrays, shape):
