@@ -472,7 +472,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, out=None, dtype=None, stream=None):
 def layer_norm_fwd(x, weight=None, bias=None, eps=1e-5, *, out=None, dtype=None,
                    stream=None):
     """LayerNorm over the last axis. Returns (y, mean, rstd):
-    rstd = 1 / sqrt(var + eps) with the biased variance, computed two-pass;
+    rstd = 1 / sqrt(var + eps) with the biased variance, computed stably;
     y = (x - mean) * rstd * weight + bias.
     """
     if (out is None and dtype is None and stream is None

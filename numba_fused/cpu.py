@@ -84,14 +84,6 @@ def _exp_sum(x, m, scratch):
 
 
 @_reduction
-def _sum(x):
-    s = acc(x, 0.0)
-    for c in range(x.shape[0]):
-        s += widen(x[c])
-    return s
-
-
-@_reduction
 def _sum_sq(x, center):
     """(sum((x - center)**2), sum(x - center))."""
     ss = acc(x, 0.0)
@@ -176,22 +168,40 @@ def _rms_norm_bwd_row(dy, x, weight, rstd, dx, dweight, first):
 
 
 # ---------------------------------------------------------------- LayerNorm
+#: a LayerNorm row takes its second statistics pass when sum((x - m0)**2) / n
+#: exceeds this many times the variance (see _layer_norm_fwd_row)
+LN_SHIFT_COND = 8.0
+
+
 @_row
 def _layer_norm_fwd_row(x, weight, bias, eps, y):
-    """Two-pass mean and biased variance (the row is in cache for the second
-    pass; E[x^2] - mean^2 cancels catastrophically). The second pass also sums
-    the deviations, which corrects the rounding of the first-pass mean (it
-    matters for rows whose mean is large against their spread):
-    mean = m0 + sum(d)/n, var = (sum(d**2) - sum(d)**2/n)/n with d = x - m0.
+    """Shifted sums: with d = x - m0, mean = m0 + sum(d)/n and
+    var = sum(d**2)/n - (sum(d)/n)**2. The cancellation in var is that of
+    (mean - m0)**2 against var, so its relative error is ~eps * S/var with
+    S = sum(d**2)/n = var + (mean - m0)**2. m0 is the mean of 4 elements spread
+    over the row, S/var ~ 1.25 for a typical row, and one pass over the row
+    gives both statistics. A row with S > LN_SHIFT_COND * var (the sampled
+    elements are outliers, or NaN/inf) takes a second pass
+    about the first mean: the two-pass algorithm, whose deviations also correct
+    the rounding of the first mean. Never E[x^2] - E[x]^2 about 0, which loses
+    every digit for rows whose mean is large against their spread.
     rstd = 1 / sqrt(var + eps); y = (x - mean) * rstd * weight + bias.
     Returns (mean, rstd)."""
     cols = x.shape[0]
     inv_cols = acc(x, 1.0) / acc(x, cols)
-    mean = _sum(x) * inv_cols
+    q = cols // 4
+    quarter = acc(x, 0.25)       # scaled first: the sum cannot overflow
+    mean = (widen(x[0]) * quarter + widen(x[q]) * quarter
+            + widen(x[2 * q]) * quarter + widen(x[3 * q]) * quarter)
     ss, sd = _sum_sq(x, mean)
     shift = sd * inv_cols
     mean = mean + shift
     var = ss * inv_cols - shift * shift
+    if not ss * inv_cols <= acc(x, LN_SHIFT_COND) * var:
+        ss, sd = _sum_sq(x, mean)
+        shift = sd * inv_cols
+        mean = mean + shift
+        var = ss * inv_cols - shift * shift
     var = acc(x, 0.0) if var < acc(x, 0.0) else var   # rounding; NaN stays NaN
     rstd = acc(x, 1.0) / np.sqrt(var + acc(x, eps))
     for c in range(cols):

@@ -559,6 +559,39 @@ def test_layer_norm_large_mean(rng, dtype, shape, loc):
     _ln_bwd_check(dtype, shape, dy, x, w, b, mean, rstd)
 
 
+@pytest.mark.parametrize("kind", ["outliers", "sorted", "ramp"])
+@pytest.mark.parametrize("shape", [(8, 1000), (64, 4099), (16, 5)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_layer_norm_shift_fallback(rng, dtype, shape, kind):
+    """The LayerNorm statistics stay accurate when the one-pass shifted sums are
+    rejected (the 4 elements the shift is sampled from are outliers: the second
+    pass runs; the test checks the case is one the kernel rejects, and fails
+    without the second pass) and on skewed rows that pass the check (sorted
+    rows, a linear ramp), all about a mean of 100."""
+    from numba_fused import cpu
+    cols = shape[-1]
+    x = draw(rng, shape, dtype, loc=100.0, scale=1.0)
+    x64 = x.astype(np.float64)
+    q = cols // 4
+    if kind == "outliers":
+        x64[:, [0, q, 2 * q, 3 * q]] += 60.0
+    elif kind == "sorted":
+        x64 = np.sort(x64, axis=-1)
+    else:
+        x64 = x64 + np.linspace(-30, 30, cols)
+    x = x64.astype(dtype)
+    if kind == "outliers" and cols >= 100:   # a case the one-pass sums really reject
+        xd = x.astype(np.float64)
+        m0 = xd[:, [0, q, 2 * q, 3 * q]].mean(-1, keepdims=True)
+        assert np.all(((xd - m0) ** 2).mean(-1) > cpu.LN_SHIFT_COND * xd.var(-1))
+    y, mean, rstd = nf.layer_norm_fwd(x, out=poisoned(shape, dtype))
+    yr, mr, rr = ref.layer_norm_fwd(x, None, None)
+    stats_close(rstd, rr, dtype, scale=np.abs(rr), what="rstd")
+    stats_close(mean, mr, dtype, scale=np.sqrt((x.astype(np.float64) ** 2).mean(-1)),
+                what="mean")
+    assert_close(y, yr, cond=ln_fwd_cond(x, None, rr), what="y")
+
+
 @pytest.mark.parametrize("scale", [1e4, 1e-3])
 @dtypes
 def test_rms_norm_scaled_rows(rng, dtype, scale):
