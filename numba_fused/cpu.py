@@ -16,9 +16,10 @@ backward, which the kernels then write through dy itself (see ``_target``).
 
 Each op is one row function, written once for every dtype: ``widen`` loads into
 the accumulator type, ``narrow`` rounds once at the store; it always sees rows as
-C-contiguous 1-D arrays (``_row``), whatever the layout of the 3-D views, so
-every layout runs the same vectorized code. Row drivers exist in a parallel build (prange over rows) and a serial one for small calls, where a
-parallel launch costs more than the work.
+C-contiguous 1-D arrays (``_row_at``), whatever the layout of the 3-D views,
+so every layout runs the same vectorized code. Row drivers exist in a parallel
+build (prange over rows) and a serial one for small calls, where a parallel
+launch costs more than the work.
 
 dweight/dbias: rows are split into a fixed number of chunks that depends only on
 (rows, cols), each chunk accumulates its own partial row in the accumulator type,
@@ -282,12 +283,12 @@ def _row_pointer(typingctx, a, r):
     return types.CPointer(a.dtype)(a, types.intp), codegen
 
 
-def _row(a, r):
+def _row_at(a, r):
     raise NotImplementedError
 
 
-@overload(_row)
-def _row_impl(a, r):
+@overload(_row_at)
+def _row_at_impl(a, r):
     """Flat row r of a 3-D (outer, inner, cols) storage array as a C-contiguous
     1-D array (None for None). The dispatcher guarantees a unit last stride, but
     numba types a row of a non-C array (a transposed or padded input) as strided:
@@ -364,23 +365,23 @@ def _build(loop):
         for k in loop(chunks):
             scratch = _acc_empty(x, x.shape[2])
             for r in range(k * rows // chunks, (k + 1) * rows // chunks):
-                _softmax_fwd_row(_row(x, r), _row(y, r), scratch)
+                _softmax_fwd_row(_row_at(x, r), _row_at(y, r), scratch)
 
     @njit(**opts)
     def softmax_bwd(y, dy, dx):
         for r in loop(y.shape[0] * y.shape[1]):
-            _softmax_bwd_row(_row(y, r), _row(dy, r), _row(dx, r))
+            _softmax_bwd_row(_row_at(y, r), _row_at(dy, r), _row_at(dx, r))
 
     @njit(**opts)
     def rms_norm_fwd(x, weight, eps, y, rstd):
         for r in loop(x.shape[0] * x.shape[1]):
-            rstd[r] = _rms_norm_fwd_row(_row(x, r), weight, eps, _row(y, r))
+            rstd[r] = _rms_norm_fwd_row(_row_at(x, r), weight, eps, _row_at(y, r))
 
     @njit(**opts)
     def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
         for r in loop(x.shape[0] * x.shape[1]):
-            mean[r], rstd[r] = _layer_norm_fwd_row(_row(x, r), weight, bias, eps,
-                                                   _row(y, r))
+            mean[r], rstd[r] = _layer_norm_fwd_row(_row_at(x, r), weight, bias, eps,
+                                                   _row_at(y, r))
 
     # dweight/dbias partials are summed in the driver, after the row loop: one
     # dispatch per call (a second numba call cost ~0.4 us, measured).
@@ -391,7 +392,7 @@ def _build(loop):
             part = _row_of(dweight_parts, k)
             start = k * rows // chunks
             for r in range(start, (k + 1) * rows // chunks):
-                _rms_norm_bwd_row(_row(dy, r), _row(x, r), weight, rstd[r], _row(dx, r),
+                _rms_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, rstd[r], _row_at(dx, r),
                                   part, r == start)
         _sum_into(dweight_parts, dweight)
 
@@ -404,8 +405,8 @@ def _build(loop):
             bpart = _row_of(dbias_parts, k)
             start = k * rows // chunks
             for r in range(start, (k + 1) * rows // chunks):
-                _layer_norm_bwd_row(_row(dy, r), _row(x, r), weight, mean[r], rstd[r],
-                                    _row(dx, r), wpart, bpart, r == start)
+                _layer_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, mean[r], rstd[r],
+                                    _row_at(dx, r), wpart, bpart, r == start)
         _sum_into(dweight_parts, dweight)
         _sum_into(dbias_parts, dbias)
 
