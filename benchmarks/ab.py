@@ -1,0 +1,112 @@
+"""In-process A/B timing of the CPU kernels: a git revision against the working tree.
+
+    python benchmarks/ab.py --base HEAD~1 --ops softmax_fwd,rms_bwd \
+        --shapes 4096x4096,65536x1024 --dtypes float32,bfloat16 --rounds 25
+
+Why in one process: on this project's VMs the speed of a whole process moves by
+up to ±35% (CPU frequency, neighbours, page placement), so two separate runs of the
+same code disagree more than most changes differ. Here the base revision is
+exported (``git archive``) as the package ``numba_fused_base`` and imported beside
+the working tree's ``numba_fused``; every round calls base then new on the same
+arrays, and the report gives both minima and the median of the per-round ratios
+(base time / new time: above 1, the working tree is faster). Read the median
+ratio: same-code controls (``--base HEAD``, clean tree, 15 rounds) gave median
+ratios 0.98-1.05 and min ratios 0.81-1.07 on 2026-12-03.
+
+Both packages call the public functions with preallocated ``out=`` buffers, as
+``numba-fused bench`` does. The base package compiles into its own cache entries
+(another module name), so its first call may compile.
+"""
+import argparse
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPS = ("softmax_fwd", "softmax_bwd", "rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd")
+
+
+def export_base(rev, dest):
+    """Write revision ``rev``'s numba_fused/ to dest/numba_fused_base/."""
+    tar = subprocess.run(["git", "-C", ROOT, "archive", rev, "numba_fused"],
+                         check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        try:
+            t.extractall(dest, filter="data")
+        except TypeError:           # Python without extraction filters
+            t.extractall(dest)
+    os.rename(os.path.join(dest, "numba_fused"), os.path.join(dest, "numba_fused_base"))
+
+
+def calls(nf, x, dy, w, b, y, rstd, mean, ln_rstd, out):
+    return dict(
+        softmax_fwd=lambda: nf.softmax_fwd(x, out=out),
+        softmax_bwd=lambda: nf.softmax_bwd(y, dy, out=out),
+        rms_fwd=lambda: nf.rms_norm_fwd(x, w, out=out),
+        rms_bwd=lambda: nf.rms_norm_bwd(dy, x, w, rstd, out=out),
+        ln_fwd=lambda: nf.layer_norm_fwd(x, w, b, out=out),
+        ln_bwd=lambda: nf.layer_norm_bwd(dy, x, w, b, mean, ln_rstd, out=out))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base", default="HEAD", help="git revision to compare against")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--shapes", default="4096x4096,65536x1024")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--rounds", type=int, default=15)
+    a = p.parse_args(argv)
+    ops = a.ops.split(",")
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        p.error(f"--ops: unknown {sorted(unknown)}; choose from {','.join(OPS)}")
+
+    tmp = tempfile.mkdtemp(prefix="nf-ab-")
+    export_base(a.base, tmp)
+    sys.path.insert(0, tmp)
+    sys.path.insert(0, ROOT)
+    import numba_fused as new
+    import numba_fused_base as base
+    from numba_fused import _dtypes as D
+
+    print(f"base {a.base} vs working tree {ROOT}; {a.rounds} interleaved rounds; "
+          "ratio = base time / new time")
+    rng = np.random.default_rng(0)
+    for dtname in a.dtypes.split(","):
+        dt = D.as_dtype(dtname)
+        for shape in a.shapes.split(","):
+            shape = tuple(int(s) for s in shape.split("x"))
+            x = rng.standard_normal(shape).astype(dt)
+            dy = rng.standard_normal(shape).astype(dt)
+            w = rng.standard_normal(shape[-1]).astype(dt)
+            b = rng.standard_normal(shape[-1]).astype(dt)
+            y = new.softmax_fwd(x)
+            _, rstd = new.rms_norm_fwd(x, w)
+            _, mean, ln_rstd = new.layer_norm_fwd(x, w, b)
+            out = np.empty_like(x)
+            fb = calls(base, x, dy, w, b, y, rstd, mean, ln_rstd, out)
+            fn = calls(new, x, dy, w, b, y, rstd, mean, ln_rstd, out)
+            for op in ops:
+                fb[op]()
+                fn[op]()
+                tb, tn = [], []
+                for _ in range(a.rounds):
+                    for f, ts in ((fb[op], tb), (fn[op], tn)):
+                        t0 = time.perf_counter()
+                        f()
+                        ts.append(time.perf_counter() - t0)
+                tb, tn = np.array(tb), np.array(tn)
+                print(f"{op:12s} {dtname:9s} {'x'.join(map(str, shape)):>11s}  "
+                      f"base {tb.min() * 1e3:8.3f} ms  new {tn.min() * 1e3:8.3f} ms  "
+                      f"min ratio {tb.min() / tn.min():5.2f}  "
+                      f"median ratio {np.median(tb / tn):5.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
