@@ -28,7 +28,9 @@ What is measured
                 device-to-device copy on the GPU.
   vs PEER       speedup: the peer's median time / numba_fused's (>1: we are faster).
   max err       max |out - ref| / max |ref| over every output (y, stats, dx,
-                dweight, dbias) against float64; NaN/inf where the reference is
+                dweight, dbias) against float64; the scale of mean is at least
+                the rows' std (1/rstd): a row's mean is computed from values of
+                that size and cannot be closer. NaN/inf where the reference is
                 finite counts as infinite. Tolerances: float32 1e-5, float16
                 2**-9, bfloat16 2**-6 (two ulps at the scale), float64 1e-12.
                 Exit status 1 when any numba_fused kernel exceeds its tolerance.

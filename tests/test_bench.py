@@ -188,6 +188,16 @@ def test_max_error_is_relative_to_scale_and_catches_nan():
     assert e == math.inf and where == "y"
 
 
+def test_max_error_scales_mean_by_the_rows_std():
+    """A mean near 0 is judged against the row's std (1/rstd), not against itself."""
+    r = {"mean": np.array([1e-6]), "rstd": np.array([0.5])}
+    e, where = B.max_error({"mean": np.array([1e-6 + 1e-8]), "rstd": np.array([0.5])}, r)
+    assert math.isclose(e, 1e-8 / 2.0) and where == "mean"
+    r = {"mean": np.array([40.0, 1e-6]), "rstd": np.array([0.5, 1.0])}
+    e, _ = B.max_error({"mean": np.array([40.0, 1e-6 + 1e-4]), "rstd": r["rstd"]}, r)
+    assert math.isclose(e, 1e-4 / 40.0)
+
+
 def test_traffic_counts_each_input_and_output_once():
     x = np.zeros((4, 8), np.float32)
     w = np.zeros(8, np.float32)

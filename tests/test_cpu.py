@@ -592,6 +592,28 @@ def test_layer_norm_shift_fallback(rng, dtype, shape, kind):
     assert_close(y, yr, cond=ln_fwd_cond(x, None, rr), what="y")
 
 
+@pytest.mark.parametrize("cols", [300, 4096])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=dtype_id)
+def test_layer_norm_mean_of_a_centered_row(rng, dtype, cols):
+    """A row whose mean is ~0 while the elements the shift is sampled from sit
+    at 1.5 (a case the one-pass sums accept): the mean is as accurate as a plain
+    sum, within 8 eps * rms(x) / sqrt(n). The shifted form m0 + sum(x - m0)/n
+    measured up to 37x that bound (m0's rounding)."""
+    from numba_fused import cpu
+    q = cols // 4
+    x64 = rng.standard_normal((64, cols))
+    x64[:, [0, q, 2 * q, 3 * q]] = 1.5
+    x64 = x64 - x64.mean(-1, keepdims=True) + 1e-4
+    x = x64.astype(dtype)
+    xd = x.astype(np.float64)
+    m0 = xd[:, [0, q, 2 * q, 3 * q]].mean(-1, keepdims=True)
+    assert np.all(((xd - m0) ** 2).mean(-1) <= cpu.LN_SHIFT_COND * xd.var(-1))
+    _, mean, _ = nf.layer_norm_fwd(x, out=poisoned(x.shape, dtype))
+    _, mr, _ = ref.layer_norm_fwd(x, None, None)
+    bound = 8 * np.finfo(dtype).eps * np.sqrt((xd ** 2).mean(-1)) / np.sqrt(cols)
+    assert np.all(np.abs(mean - mr) <= bound), np.max(np.abs(mean - mr) / bound)
+
+
 @pytest.mark.parametrize("scale", [1e4, 1e-3])
 @dtypes
 def test_rms_norm_scaled_rows(rng, dtype, scale):
