@@ -26,6 +26,7 @@ dweight/dbias: rows are split into a fixed number of chunks that depends only on
 and the partials are summed in chunk order: the same bits on every run and for
 every thread count, no atomics.
 """
+import operator
 import threading
 import time
 
@@ -72,28 +73,23 @@ _PARTIAL_ELEMS = 1 << 20
 
 
 # ------------------------------------------- optional parameters (typed helpers)
-def _times(v, weight, c):
-    raise NotImplementedError
+def _with_param(combine, doc):
+    """A jitted-code helper f(v, param, c) = combine(v, widen(param[c])), or v when
+    param is None (chosen by type, so inlined row functions need no branch)."""
+    def helper(v, param, c):
+        raise NotImplementedError
+    helper.__doc__ = doc
+
+    @overload(helper)
+    def impl(v, param, c):
+        if isinstance(param, types.NoneType):
+            return lambda v, param, c: v
+        return lambda v, param, c: combine(v, widen(param[c]))
+    return helper
 
 
-@overload(_times)
-def _times_impl(v, weight, c):
-    """v * weight[c] (widened), or v when weight is None."""
-    if isinstance(weight, types.NoneType):
-        return lambda v, weight, c: v
-    return lambda v, weight, c: v * widen(weight[c])
-
-
-def _plus(v, bias, c):
-    raise NotImplementedError
-
-
-@overload(_plus)
-def _plus_impl(v, bias, c):
-    """v + bias[c] (widened), or v when bias is None."""
-    if isinstance(bias, types.NoneType):
-        return lambda v, bias, c: v
-    return lambda v, bias, c: v + widen(bias[c])
+_times = _with_param(operator.mul, "v * weight[c], or v when weight is None.")
+_plus = _with_param(operator.add, "v + bias[c], or v when bias is None.")
 
 
 def _add_into(total, c, v, first):
