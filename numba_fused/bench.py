@@ -170,10 +170,10 @@ def max_error(outs, ref):
     """max over outputs of max|out - ref| / max|ref| (float64); inf on non-finite.
 
     The scale of ``mean`` is at least max(1/rstd), the rows' std: the mean of a
-    row is a sum of values of that size, whose rounding no algorithm avoids, and
-    a (1, n) row with a mean near 0 made the gate flaky (float32 error gate
-    failed on ~1 in 10 random (1, 300) rows with the shifted one-pass mean, ~1 in
-    50 with the plain sum; both within ~2 eps * std / sqrt(n))."""
+    row is a sum of values of that size, whose rounding (~eps * std / sqrt(n)
+    for a plain sum) no algorithm avoids, so a (1, n) row whose mean is near 0
+    cannot meet a tolerance relative to the mean itself (the float32 gate failed
+    twice that way on 2026-12-03, on a random (1, 300) row)."""
     worst, where = 0.0, None
     for name, r in ref.items():
         if name not in outs or outs[name] is None:
