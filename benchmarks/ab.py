@@ -14,8 +14,11 @@ ratio: same-code controls (``--base HEAD``, clean tree, 15 rounds) gave median
 ratios 0.98-1.05 and min ratios 0.81-1.07 on 2026-12-03.
 
 Both packages call the public functions with preallocated ``out=`` buffers, as
-``numba-fused bench`` does. The base package compiles into its own cache entries
-(another module name), so its first call may compile.
+``numba-fused bench`` does; ``--alloc`` calls them without ``out=`` (the path a
+plain call takes, which allocates its results). For small calls, ``--calls N``
+times N back-to-back calls per sample and reports per call. The base package
+compiles into its own cache entries (another module name), so its first call
+may compile.
 """
 import argparse
 import io
@@ -61,6 +64,9 @@ def main(argv=None):
     p.add_argument("--shapes", default="4096x4096,65536x1024")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--calls", type=int, default=1, help="calls per timed sample")
+    p.add_argument("--alloc", action="store_true",
+                   help="call without out= (results allocated per call)")
     a = p.parse_args(argv)
     ops = a.ops.split(",")
     unknown = set(ops) - set(OPS)
@@ -75,7 +81,8 @@ def main(argv=None):
     import numba_fused_base as base
     from numba_fused import _dtypes as D
 
-    print(f"base {a.base} vs working tree {ROOT}; {a.rounds} interleaved rounds; "
+    print(f"base {a.base} vs working tree {ROOT}; {a.rounds} interleaved rounds"
+          f" of {a.calls} call(s){' without out=' if a.alloc else ''}; "
           "ratio = base time / new time")
     rng = np.random.default_rng(0)
     for dtname in a.dtypes.split(","):
@@ -89,7 +96,7 @@ def main(argv=None):
             y = new.softmax_fwd(x)
             _, rstd = new.rms_norm_fwd(x, w)
             _, mean, ln_rstd = new.layer_norm_fwd(x, w, b)
-            out = np.empty_like(x)
+            out = None if a.alloc else np.empty_like(x)
             fb = calls(base, x, dy, w, b, y, rstd, mean, ln_rstd, out)
             fn = calls(new, x, dy, w, b, y, rstd, mean, ln_rstd, out)
             for op in ops:
@@ -99,11 +106,13 @@ def main(argv=None):
                 for _ in range(a.rounds):
                     for f, ts in ((fb[op], tb), (fn[op], tn)):
                         t0 = time.perf_counter()
-                        f()
-                        ts.append(time.perf_counter() - t0)
+                        for _ in range(a.calls):
+                            f()
+                        ts.append((time.perf_counter() - t0) / a.calls)
                 tb, tn = np.array(tb), np.array(tn)
+                unit, scale = ("us", 1e6) if tn.min() < 1e-4 else ("ms", 1e3)
                 print(f"{op:12s} {dtname:9s} {'x'.join(map(str, shape)):>11s}  "
-                      f"base {tb.min() * 1e3:8.3f} ms  new {tn.min() * 1e3:8.3f} ms  "
+                      f"base {tb.min() * scale:8.3f} {unit}  new {tn.min() * scale:8.3f} {unit}  "
                       f"min ratio {tb.min() / tn.min():5.2f}  "
                       f"median ratio {np.median(tb / tn):5.2f}", flush=True)
 

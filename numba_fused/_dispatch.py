@@ -309,37 +309,50 @@ def _stats_storage(ctx, s):
 # accepts what the general path would accept, and computes the same thing.
 _HOST_STORAGE = D._STORAGE     # the shared tables: bfloat16 joins them on first sight
 _HOST_ACC = D._ACC
+_NDARRAY = np.ndarray
 
 
 def _host_ok(x, like=(), params=(), stats=()):
     """True when x, the arrays ``like`` x (same dtype and shape), ``params``
-    (weight/bias or None) and ``stats`` (mean/rstd) fit the fast path."""
-    if (type(x) is not np.ndarray or not x.ndim or not x.size
-            or x.dtype not in _HOST_STORAGE or not x.flags.c_contiguous):
+    (weight/bias or None) and ``stats`` (mean/rstd) fit the fast path.
+
+    Every attribute read costs ~50 ns on the project's VMs, so each is read once.
+    Dtypes are compared by ``is`` first: NumPy's builtin dtypes are canonical
+    objects, but arrays returned by cached numba code (the small-call entries)
+    carry equal, distinct ones, which ``==`` then accepts."""
+    if type(x) is not _NDARRAY:
         return False
-    dt, shape, strides = x.dtype, x.shape, x.strides
-    for a in like:    # x's dtype, shape and strides: x's C-contiguous layout
-        if (type(a) is not np.ndarray or a.dtype is not dt or a.shape != shape
-                or a.strides != strides):
-            return False
-    cols = shape[-1:]
-    for p in params:
-        if p is not None and (type(p) is not np.ndarray or p.shape != cols
-                              or (p.dtype is not dt and p.dtype is not D.float32)
-                              or not p.flags.c_contiguous):
-            return False
+    dt, shape = x.dtype, x.shape
+    if dt not in _HOST_STORAGE or not shape or 0 in shape or not x.flags.c_contiguous:
+        return False
+    if like:
+        strides = x.strides
+        for a in like:    # x's dtype, shape and strides: x's C-contiguous layout
+            if (type(a) is not _NDARRAY or a.shape != shape or a.strides != strides
+                    or (a.dtype is not dt and a.dtype != dt)):
+                return False
+    if params:
+        cols = shape[-1:]
+        for p in params:
+            if p is not None and (type(p) is not _NDARRAY or p.shape != cols
+                                  or (p.dtype is not dt and p.dtype != dt
+                                      and p.dtype != D.float32)
+                                  or not p.flags.c_contiguous):
+                return False
     if stats:
         acc, lead = _HOST_ACC[dt], shape[:-1]
         for st in stats:
-            if (type(st) is not np.ndarray or st.dtype is not acc or st.shape != lead
-                    or not st.flags.c_contiguous):
+            if (type(st) is not _NDARRAY or st.shape != lead
+                    or (st.dtype is not acc and st.dtype != acc) or not st.flags.c_contiguous):
                 return False
     return True
 
 
 def _host_rows(a):
     """The (1, rows, cols) storage view of a C-contiguous array."""
-    return D.to_storage(a[None] if a.ndim == 2 else a.reshape(1, -1, a.shape[-1]))
+    v = a[None] if a.ndim == 2 else a.reshape(1, -1, a.shape[-1])
+    st = _HOST_STORAGE[a.dtype]
+    return v if st is a.dtype else v.view(st)
 
 
 def _host_storage(a):
@@ -348,6 +361,83 @@ def _host_storage(a):
 
 def _host_stats(a):
     return a if a.ndim == 1 else a.reshape(-1)
+
+
+def _host_empty(p):
+    """A fresh array like the NumPy array ``p`` (None for anything else, which the
+    fast paths then reject): ``empty_like`` costs half of ``np.empty(p.shape,
+    p.dtype)`` (measured 0.31 vs 0.57 us)."""
+    return np.empty_like(p) if type(p) is _NDARRAY else None
+
+
+class _SmallCall:
+    """The compiled small-call entry of one op (``cpu.SMALL``), for 2-D float32 or
+    float64 arrays below the kernel's serial threshold (``takes``); the caller
+    allocates the outputs and ``run`` passes them with the inputs. The entry runs
+    with compilation disabled: numba's dispatcher then accepts only signatures
+    compiled here, each for the argument types of a call that ``eligible`` (the
+    fast path's own checks, ``_host_ok``) accepted, so a call of any other types
+    fails in C (TypeError) instead of compiling, and a call of the right types
+    but wrong shapes fails in the entry (ValueError). Either way ``run`` returns
+    False and the caller takes its other paths, which report errors. numba does
+    convert scalars to a compiled signature's types (a bool eps would run as
+    1.0), so callers check eps's type first; arrays are never converted.
+    Measured 2026-12-03, (1, 1024) float32: layer_norm bwd 2.97 vs 6.87 us."""
+
+    def __init__(self, name, eligible):
+        self.name, self.eligible = name, eligible
+        self.kernel, self.below = None, math.inf      # bound on first use
+
+    def takes(self, x):
+        return (type(x) is _NDARRAY and x.ndim == 2 and x.dtype in _SMALL_DTYPES
+                and x.size < self.below)
+
+    def run(self, x, args):
+        if self.kernel is not None:
+            try:
+                self.kernel(*args)
+                return True
+            except (TypeError, ValueError, RuntimeError):
+                pass         # RuntimeError: a call racing _compile's window
+        return self._compile(x, args)
+
+    def _compile(self, x, args):
+        if not self.eligible(*args):
+            return False
+        from numba import typeof
+        from numba.core.compiler_lock import global_compiler_lock
+        from . import cpu
+        # held across the toggle: a call that sees compilation enabled meanwhile
+        # waits on this lock in numba's compile() and then fails (RuntimeError)
+        with global_compiler_lock:
+            if self.kernel is None:
+                self.below = cpu._serial_below[self.name]
+                self.kernel = cpu.SMALL[self.name]
+            if not self.takes(x):
+                return False
+            self.kernel.disable_compile(False)
+            try:
+                self.kernel.compile(tuple(typeof(a) for a in args))
+            finally:
+                self.kernel.disable_compile(True)
+        self.kernel(*args)
+        return True
+
+
+_SMALL_DTYPES = {D.float32: None, D.float64: None}
+# eligible(inputs..., outputs...): the fast path's checks of the inputs
+_small_softmax_fwd = _SmallCall("softmax_fwd", lambda x, y: _host_ok(x))
+_small_softmax_bwd = _SmallCall("softmax_bwd", lambda y, dy, dx: _host_ok(y, (dy,)))
+_small_rms_norm_fwd = _SmallCall(
+    "rms_norm_fwd", lambda x, w, eps, *out: _host_ok(x, (), (w,)) and _fast_eps(eps))
+_small_rms_norm_bwd = _SmallCall(
+    "rms_norm_bwd", lambda dy, x, w, rstd, *out: _host_ok(x, (dy,), (w,), (rstd,)))
+_small_layer_norm_fwd = _SmallCall(
+    "layer_norm_fwd",
+    lambda x, w, b, eps, *out: _host_ok(x, (), (w, b)) and _fast_eps(eps))
+_small_layer_norm_bwd = _SmallCall(
+    "layer_norm_bwd",
+    lambda dy, x, w, b, mean, rstd, *out: _host_ok(x, (dy,), (w, b), (mean, rstd)))
 
 
 def _fast_eps(eps):
@@ -362,8 +452,13 @@ def softmax_fwd(x, *, out=None, dtype=None, stream=None):
     A row containing NaN, or +inf, or only -inf gives NaN; -inf entries of a
     finite row give exactly 0.
     """
+    if out is None and dtype is None and stream is None:
+        if _small_softmax_fwd.takes(x):
+            y = np.empty_like(x)
+            if _small_softmax_fwd.run(x, (x, y)):
+                return y
     if out is None and dtype is None and stream is None and _host_ok(x):
-        y = np.empty(x.shape, x.dtype)
+        y = np.empty_like(x)
         HOST.kernels.softmax_fwd(_host_rows(x), _host_rows(y))
         return y
     ctx = _context([("x", x), ("out", out)], stream)
@@ -381,8 +476,13 @@ def softmax_bwd(y, dy, *, out=None, dtype=None, stream=None):
 
     ``out=dy`` overwrites dy with dx (bit-identical to a separate buffer).
     """
+    if out is None and dtype is None and stream is None:
+        if _small_softmax_bwd.takes(y):
+            dx = np.empty_like(y)
+            if _small_softmax_bwd.run(y, (y, dy, dx)):
+                return dx
     if out is None and dtype is None and stream is None and _host_ok(y, (dy,)):
-        dx = np.empty(y.shape, y.dtype)
+        dx = np.empty_like(y)
         HOST.kernels.softmax_bwd(_host_rows(y), _host_rows(dy), _host_rows(dx))
         return dx
     ctx = _context([("y", y), ("dy", dy), ("out", out)], stream)
@@ -406,9 +506,14 @@ def rms_norm_fwd(x, weight=None, eps=1e-6, *, out=None, dtype=None, stream=None)
     """RMSNorm over the last axis. Returns (y, rstd):
     rstd = 1 / sqrt(mean(x**2) + eps); y = x * rstd * weight.
     """
+    if out is None and dtype is None and stream is None:
+        if _small_rms_norm_fwd.takes(x) and type(eps) is float:    # numba would take a bool
+            y, rstd = np.empty_like(x), np.empty(len(x), x.dtype)
+            if _small_rms_norm_fwd.run(x, (x, weight, eps, y, rstd)):
+                return y, rstd
     if (out is None and dtype is None and stream is None and _host_ok(x, (), (weight,))
             and _fast_eps(eps)):
-        y = np.empty(x.shape, x.dtype)
+        y = np.empty_like(x)
         rstd = np.empty(x.shape[:-1], _HOST_ACC[x.dtype])
         HOST.kernels.rms_norm_fwd(_host_rows(x), _host_storage(weight), eps,
                                   _host_rows(y), _host_stats(rstd))
@@ -435,10 +540,15 @@ def rms_norm_bwd(dy, x, weight, rstd, *, out=None, dtype=None, stream=None):
     dx = rstd * (g - xhat * mean(g * xhat)); dweight = sum over rows of dy * xhat.
     dweight is None exactly when weight is None. ``out=dy`` is allowed.
     """
+    if out is None and dtype is None and stream is None:
+        if _small_rms_norm_bwd.takes(x):
+            dx, dweight = np.empty_like(x), _host_empty(weight)
+            if _small_rms_norm_bwd.run(x, (dy, x, weight, rstd, dx, dweight)):
+                return dx, dweight
     if (out is None and dtype is None and stream is None
             and _host_ok(x, (dy,), (weight,), (rstd,))):
-        dx = np.empty(x.shape, x.dtype)
-        dweight = _param_grad(HOST, weight, x)
+        dx = np.empty_like(x)
+        dweight = _host_empty(weight)
         HOST.kernels.rms_norm_bwd(_host_rows(dy), _host_rows(x), _host_storage(weight),
                                   _host_stats(rstd), _host_rows(dx),
                                   _host_storage(dweight))
@@ -475,9 +585,15 @@ def layer_norm_fwd(x, weight=None, bias=None, eps=1e-5, *, out=None, dtype=None,
     rstd = 1 / sqrt(var + eps) with the biased variance, computed stably;
     y = (x - mean) * rstd * weight + bias.
     """
+    if out is None and dtype is None and stream is None:
+        if _small_layer_norm_fwd.takes(x) and type(eps) is float:    # numba would take a bool
+            y, mean, rstd = (np.empty_like(x), np.empty(len(x), x.dtype),
+                             np.empty(len(x), x.dtype))
+            if _small_layer_norm_fwd.run(x, (x, weight, bias, eps, y, mean, rstd)):
+                return y, mean, rstd
     if (out is None and dtype is None and stream is None
             and _host_ok(x, (), (weight, bias)) and _fast_eps(eps)):
-        y = np.empty(x.shape, x.dtype)
+        y = np.empty_like(x)
         mean = np.empty(x.shape[:-1], _HOST_ACC[x.dtype])
         rstd = np.empty(x.shape[:-1], mean.dtype)
         HOST.kernels.layer_norm_fwd(_host_rows(x), _host_storage(weight),
@@ -514,10 +630,16 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, *, out=None, dtype=None,
     dweight = sum over rows of dy * xhat; dbias = sum over rows of dy.
     dweight/dbias are None exactly when weight/bias are None. ``out=dy`` is allowed.
     """
+    if out is None and dtype is None and stream is None:
+        if _small_layer_norm_bwd.takes(x):
+            dx, dweight, dbias = np.empty_like(x), _host_empty(weight), _host_empty(bias)
+            if _small_layer_norm_bwd.run(x, (dy, x, weight, bias, mean, rstd,
+                                             dx, dweight, dbias)):
+                return dx, dweight, dbias
     if (out is None and dtype is None and stream is None
             and _host_ok(x, (dy,), (weight, bias), (mean, rstd))):
-        dx = np.empty(x.shape, x.dtype)
-        dweight, dbias = _param_grad(HOST, weight, x), _param_grad(HOST, bias, x)
+        dx = np.empty_like(x)
+        dweight, dbias = _host_empty(weight), _host_empty(bias)
         HOST.kernels.layer_norm_bwd(_host_rows(dy), _host_rows(x), _host_storage(weight),
                                     _host_stats(mean), _host_stats(rstd), _host_rows(dx),
                                     _host_storage(dweight), _host_storage(dbias))

@@ -348,6 +348,109 @@ def test_fast_path_matches_general_path(rng, monkeypatch, op, dtype, shape, para
     check_op(op, d, fast)
 
 
+# ========================================================= small-call entries
+SMALL_SHAPES = [(1, 1024), (5, 300), (3, 1)]
+
+
+@pytest.mark.parametrize("params", ["x+f32", "f32", "none"])
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+@pytest.mark.parametrize("op", OPS)
+def test_small_call_entry(rng, monkeypatch, op, dtype, shape, params):
+    """A small 2-D float32/float64 call runs the compiled entry (cpu.SMALL): once
+    its signature is compiled, no Python check runs (``_host_ok`` and the general
+    path are poisoned), and the results are the general path's bits, in fresh
+    NumPy-owned arrays of NumPy's canonical dtypes."""
+    from numba_fused import _dispatch
+    d = _make_case(op, rng, shape, dtype)
+    if params != "x+f32":
+        keep = {"none": (), "f32": ("weight", "bias")}[params]
+        d = {k: (None if k in ("weight", "bias") and k not in keep else v)
+             for k, v in d.items()}
+        if params == "f32":
+            d = {k: (v.astype(F32) if k in ("weight", "bias") else v) for k, v in d.items()}
+        if op in ("rms_norm_bwd", "layer_norm_bwd"):       # stats of this forward
+            fwd = call_op(op.replace("bwd", "fwd"), d)
+            d.update(zip(("mean", "rstd") if op == "layer_norm_bwd" else ("rstd",), fwd[1:]))
+    orig = copies(*d.values())
+    general = call_op(op, d, out=poisoned(shape, dtype))
+    call_op(op, d)                                     # compiles the signature
+
+    def poison(*a, **k):
+        raise AssertionError("the small call took a Python path")
+    monkeypatch.setattr(_dispatch, "_host_ok", poison)
+    monkeypatch.setattr(_dispatch, "_context", poison)
+    small = call_op(op, d)
+    monkeypatch.undo()
+    assert_unmodified(orig, list(d.values()), list(d))
+    for f, g in zip(small, general):
+        if g is None:
+            assert f is None
+            continue
+        assert_bits_equal(f, g, f"{op} small call vs general path")
+        assert f.flags.c_contiguous and f.flags.owndata and f.flags.writeable
+        assert f.dtype is np.dtype(g.dtype.name)
+        assert not any(np.shares_memory(f, v) for v in d.values() if v is not None)
+    check_op(op, d, small)
+
+
+def _small_args(rng, dtype=F32, cols=64):
+    x = draw(rng, (2, cols), dtype)
+    w = draw_param(rng, cols, "x", dtype)
+    _, mean, rstd = nf.layer_norm_fwd(x, w, w)
+    return x, w, mean, rstd
+
+
+def test_small_call_bad_arguments_take_the_general_path(rng):
+    """Calls of the entry's types but wrong shapes or values, and calls of other
+    types, fail in the entry or in numba's dispatcher without compiling: the
+    general path then raises its own error, every time."""
+    x, w, mean, rstd = _small_args(rng)
+    nf.layer_norm_bwd(x, x, w, w, mean, rstd)          # compiles the good signature
+    nf.rms_norm_fwd(x, w)
+    cases = [
+        (ValueError, "weight has shape",
+         lambda: nf.layer_norm_bwd(x, x, w[:-1], w, mean, rstd)),
+        (ValueError, "mean has shape",
+         lambda: nf.layer_norm_bwd(x, x, w, w, mean[:1].copy(), rstd)),
+        (ValueError, "dy has shape", lambda: nf.layer_norm_bwd(x[:1], x, w, w, mean, rstd)),
+        (TypeError, "dy has dtype",
+         lambda: nf.layer_norm_bwd(x.astype(F64), x, w, w, mean, rstd)),
+        (TypeError, "rstd has dtype",
+         lambda: nf.layer_norm_bwd(x, x, w, w, mean, rstd.astype(F64))),
+        (TypeError, "weight must be", lambda: nf.rms_norm_fwd(x, list(w))),
+        (ValueError, "eps must be finite", lambda: nf.rms_norm_fwd(x, w, -1.0)),
+        (ValueError, "eps must be finite", lambda: nf.rms_norm_fwd(x, w, float("nan"))),
+        (TypeError, "eps must be a real", lambda: nf.rms_norm_fwd(x, w, True)),
+    ]
+    from numba_fused import cpu
+    before = {k: len(v.signatures) for k, v in cpu.SMALL.items()}
+    for _ in range(2):
+        for exc, msg, call in cases:
+            with pytest.raises(exc, match=msg):
+                call()
+    assert {k: len(v.signatures) for k, v in cpu.SMALL.items()} == before
+
+
+@pytest.mark.parametrize("layout", ["F", "cols2", "readonly"])
+def test_small_call_other_layouts(rng, layout):
+    """Non-C or read-only 2-D inputs give the C computation's results."""
+    x, w, mean, rstd = _small_args(rng, cols=48)
+    dy = draw(rng, x.shape, F32)
+    want = [nf.layer_norm_bwd(dy, x, w, w, mean, rstd, out=poisoned(x.shape, F32))[0],
+            nf.softmax_fwd(x, out=poisoned(x.shape, F32))]
+    if layout == "F":
+        xs, dys = np.asfortranarray(x), np.asfortranarray(dy)
+    elif layout == "cols2":
+        xs, dys = as_layout(x, "cols2"), as_layout(dy, "cols2")
+    else:
+        xs, dys = x.copy(), dy.copy()
+        xs.flags.writeable = dys.flags.writeable = False
+    got = [nf.layer_norm_bwd(dys, xs, w, w, mean, rstd)[0], nf.softmax_fwd(xs)]
+    for g, e in zip(got, want):
+        assert_close(g, e.astype(np.float64), what=f"{layout} small call")
+
+
 def test_param_grad_buffers_are_not_reused_across_calls(rng):
     """One-row backward writes dweight directly (its one partial row); that
     buffer belongs to the caller and must never come back from the scratch pool

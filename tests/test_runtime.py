@@ -55,6 +55,51 @@ def test_eight_threads_launching_parallel_kernels_at_once():
             np.testing.assert_array_equal(a, b)   # deterministic: same bits
 
 
+_SMALL_THREADS = textwrap.dedent("""
+    # 8 threads making the process's first small calls at once: each signature
+    # is compiled (or loaded from the cache) while other threads call the entry
+    import threading, numpy as np, numba_fused as nf
+    rng = np.random.default_rng(5)
+    cases = []
+    for dt, pdt in ((np.float32, np.float32), (np.float64, np.float64),
+                    (np.float64, np.float32)):
+        x = rng.standard_normal((4, 96)).astype(dt)
+        w = rng.standard_normal(96).astype(pdt)
+        cases.append((x, w))
+    def run(x, w):
+        y, mean, rstd = nf.layer_norm_fwd(x, w, None)
+        dx, dw, db = nf.layer_norm_bwd(x, x, w, None, mean, rstd)
+        s = nf.softmax_bwd(nf.softmax_fwd(x), x)
+        return [y, mean, rstd, dx, dw, s, *nf.rms_norm_fwd(x, None)]
+    barrier, results, errors = threading.Barrier(8), {}, []
+    def worker(i):
+        try:
+            barrier.wait()
+            for k in range(6):
+                c = (i + k) % len(cases)
+                results[i, k] = (c, run(*cases[c]))
+        except Exception as e:
+            errors.append(repr(e))
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads: t.start()
+    for t in threads: t.join(600)
+    assert not errors, errors
+    expected = [run(*c) for c in cases]
+    for c, got in results.values():
+        for a, b in zip(got, expected[c]):
+            assert a.tobytes() == b.tobytes()
+    print("ok", len(results))
+""")
+
+
+def test_eight_threads_first_small_calls_at_once():
+    r = subprocess.run([sys.executable, "-c", _SMALL_THREADS], capture_output=True, text=True,
+                       timeout=900, env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep
+                                             + os.environ.get("PYTHONPATH", "")))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["ok", "48"]
+
+
 _CHILD = textwrap.dedent("""
     import hashlib, numpy as np, ml_dtypes, numba_fused as nf
     x = np.random.default_rng(3).standard_normal((8, 96)).astype(ml_dtypes.bfloat16)
