@@ -410,16 +410,16 @@ class _SmallCall:
         # held across the toggle: a call that sees compilation enabled meanwhile
         # waits on this lock in numba's compile() and then fails (RuntimeError)
         with global_compiler_lock:
-            if self.kernel is None:
-                self.below = cpu._serial_below[self.name]
-                self.kernel = cpu.SMALL[self.name]
+            self.below = cpu.SMALL_BELOW[self.name]
             if not self.takes(x):
                 return False
-            self.kernel.disable_compile(False)
+            kernel = cpu.SMALL[self.name]
+            kernel.disable_compile(False)
             try:
-                self.kernel.compile(tuple(typeof(a) for a in args))
+                kernel.compile(tuple(typeof(a) for a in args))
             finally:
-                self.kernel.disable_compile(True)
+                kernel.disable_compile(True)
+            self.kernel = kernel      # published only with compilation disabled
         self.kernel(*args)
         return True
 

@@ -26,7 +26,9 @@ dweight/dbias: rows are split into a fixed number of chunks that depends only on
 and the partials are summed in chunk order: the same bits on every run and for
 every thread count, no atomics.
 """
+import contextlib
 import operator
+import sys
 import threading
 import time
 
@@ -63,10 +65,23 @@ _row = njit(nogil=True, error_model='numpy', inline='always')
 #: calls with fewer elements than this run the serial kernels: where a 2-thread
 #: parallel launch (~2 us) stopped paying on the project's 2-core machine (measured
 #: 2026-12-02: rms_norm fwd serial 3.7 us vs parallel 3.65 us at 32768 elements).
+#: These are floors: ``_calibrate`` raises them where launches cost more.
 SERIAL_BELOW = 1 << 15
-#: softmax forward (an exp per element) pays for a parallel launch much earlier
-#: (serial 4.65 us vs parallel 4.20 us at 8192 elements, 1024 columns).
-_SERIAL_BELOW_BY_KERNEL = {"softmax_fwd": 1 << 13}
+#: per-kernel floors: softmax forward (an exp per element) pays for a parallel
+#: launch much earlier (serial 4.65 us vs parallel 4.20 us at 8192 elements, 1024
+#: columns); the norm backwards with dweight/dbias partials ("+params") much later
+#: (2026-12-03, 1024 columns, serial vs parallel: rms_norm 13 vs 25 us at 32768
+#: elements, 40 vs 41 us at 131072; layer_norm 16 vs 38, 51 vs 52 us).
+_SERIAL_BELOW_BY_KERNEL = {"softmax_fwd": 1 << 13, "rms_norm_bwd+params": 1 << 17,
+                           "layer_norm_bwd+params": 1 << 17}
+#: serial kernel speed in elements per us (float32, 1024 columns, in cache; 2026-12-03)
+#: for ``_calibrate``: a 2-thread launch pays once the serial time exceeds twice
+#: the launch cost.
+_SERIAL_RATE = {"softmax_fwd": 2200, "softmax_bwd": 5000, "rms_norm_fwd": 7000,
+                "rms_norm_bwd": 4000, "rms_norm_bwd+params": 3200, "layer_norm_fwd": 4500,
+                "layer_norm_bwd": 3000, "layer_norm_bwd+params": 2500}
+#: calibrated thresholds never exceed this many elements
+SERIAL_CAP = 1 << 20
 #: at most this many dweight/dbias partial rows, and at most _PARTIAL_ELEMS floats
 MAX_CHUNKS = 32
 _PARTIAL_ELEMS = 1 << 20
@@ -463,14 +478,70 @@ PARALLEL = _build(prange)
 SERIAL = _build(range)
 
 
-_serial_below = {name: _SERIAL_BELOW_BY_KERNEL.get(name, SERIAL_BELOW) for name in SERIAL}
+#: serial/parallel thresholds in elements, by kernel key (name, or name+"+params")
+_serial_below = {key: _SERIAL_BELOW_BY_KERNEL.get(key, SERIAL_BELOW) for key in _SERIAL_RATE}
+#: the floors, which the small-call entries use (they are serial; never calibrated)
+SMALL_BELOW = {name: _serial_below[name] for name in SERIAL}
 _launch_lock = threading.Lock()
 _needs_lock = True   # until the first parallel launch shows which layer loaded
+_calibrated = False
 
 
-def _run(name, x, *args):
-    """Run kernel ``name``: serial below its threshold (SERIAL_BELOW, or the
-    kernel's own in _SERIAL_BELOW_BY_KERNEL) in elements, else parallel.
+@njit(parallel=True, cache=True, nogil=True)
+def _launch_probe(a):
+    for i in prange(a.shape[0]):
+        a[i] += 1.0
+
+
+def launch_cost(probes=9):
+    """Seconds per parallel launch of an empty kernel, median of ``probes``
+    back-to-back launches, here and now (this machine, threading layer, thread
+    count and OpenMP settings)."""
+    a = np.zeros(max(2, numba.get_num_threads()))
+    _launch_probe(a)                 # compile or load, start the pool
+    times = []
+    for _ in range(probes):
+        t0 = time.perf_counter()
+        _launch_probe(a)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[probes // 2]
+
+
+def _calibrate():
+    """Raise the serial thresholds to where a parallel launch pays on this setup:
+    2 * launch cost * the kernel's serial rate, between its floor and SERIAL_CAP.
+    Why: with OMP_WAIT_POLICY=PASSIVE (advised beside torch) a launch measured
+    ~60 us back to back on the project's VM, 2.2 us without, and serial kernels
+    won up to 256K-512K elements (softmax bwd 93 vs 112 us at 524288). Runs once,
+    at the first call above a floor; results do not depend on it (serial and
+    parallel kernels give the same bits)."""
+    global _calibrated
+    launch_us = launch_cost() * 1e6
+    for key, rate in _SERIAL_RATE.items():
+        floor = _SERIAL_BELOW_BY_KERNEL.get(key, SERIAL_BELOW)
+        _serial_below[key] = int(min(SERIAL_CAP, max(floor, 2 * launch_us * rate)))
+    _calibrated = True
+
+
+@contextlib.contextmanager
+def forced(parallel):
+    """Within the block, calls run the parallel (True) or the serial (False)
+    kernels whatever their size (the same bits either way; the small-call entries
+    stay serial): for ``warmup`` and tests. Not for use while other threads call."""
+    with _launch_lock:
+        if not _calibrated:
+            _calibrate()
+        saved = dict(_serial_below)
+        _serial_below.update(dict.fromkeys(saved, 0 if parallel else sys.maxsize))
+    try:
+        yield
+    finally:
+        _serial_below.update(saved)
+
+
+def _run(name, key, x, *args):
+    """Run kernel ``name``: serial below the threshold of ``key`` (the name, or
+    name+"+params" for a backward with dweight/dbias) in elements, else parallel.
 
     numba's workqueue threading layer aborts the process when two Python threads
     launch parallel kernels at once; with it (and until the first launch tells
@@ -478,11 +549,15 @@ def _run(name, x, *args):
     thread-safe and take no lock.
     """
     global _needs_lock
-    if x.size < _serial_below[name]:
+    if x.size < _serial_below[key]:
         return SERIAL[name](*args)
     if not _needs_lock:
         return PARALLEL[name](*args)
     with _launch_lock:
+        if not _calibrated:
+            _calibrate()
+            if x.size < _serial_below[key]:
+                return SERIAL[name](*args)
         PARALLEL[name](*args)
         _needs_lock = numba.threading_layer() == "workqueue"
 
@@ -620,7 +695,7 @@ def small_layer_norm_bwd(dy, x, weight, bias, mean, rstd, dx, dweight, dbias):
                            _parts_for(bias, x, chunks, cols), chunks, dweight, dbias)
 
 
-#: the small-call entries by kernel name (each applies below _serial_below[name])
+#: the small-call entries by kernel name (each applies below SMALL_BELOW[name])
 SMALL = dict(softmax_fwd=small_softmax_fwd, softmax_bwd=small_softmax_bwd,
              rms_norm_fwd=small_rms_norm_fwd, rms_norm_bwd=small_rms_norm_bwd,
              layer_norm_fwd=small_layer_norm_fwd, layer_norm_bwd=small_layer_norm_bwd)
@@ -680,19 +755,19 @@ def _partials(out, chunks, dtype):
 # ----------------------------------------------------------- backend entry
 def softmax_fwd(x, y):
     rows = x.shape[0] * x.shape[1]
-    _run("softmax_fwd", x, x, y, min(rows, 16 * MAX_CHUNKS))
+    _run("softmax_fwd", "softmax_fwd", x, x, y, min(rows, 16 * MAX_CHUNKS))
 
 
 def softmax_bwd(y, dy, dx):
-    _run("softmax_bwd", y, y, dy, None if dx is dy else dx)
+    _run("softmax_bwd", "softmax_bwd", y, y, dy, None if dx is dy else dx)
 
 
 def rms_norm_fwd(x, weight, eps, y, rstd):
-    _run("rms_norm_fwd", x, x, weight, eps, y, rstd)
+    _run("rms_norm_fwd", "rms_norm_fwd", x, x, weight, eps, y, rstd)
 
 
 def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
-    _run("layer_norm_fwd", x, x, weight, bias, eps, y, mean, rstd)
+    _run("layer_norm_fwd", "layer_norm_fwd", x, x, weight, bias, eps, y, mean, rstd)
 
 
 # The backwards below run ~10 Python statements per call: at ~50 ns each on the
@@ -702,13 +777,13 @@ def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
 def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
     rows = x.shape[0] * x.shape[1]
     if dweight is None:
-        _run("rms_norm_bwd", x, dy, x, weight, rstd, None if dx is dy else dx, None, rows,
-             None)
+        _run("rms_norm_bwd", "rms_norm_bwd", x, dy, x, weight, rstd,
+             None if dx is dy else dx, None, rows, None)
         return
     chunks = param_chunks(rows, x.shape[2])
     parts = _partials(dweight, chunks, rstd.dtype)     # rstd is in the accumulator type
-    _run("rms_norm_bwd", x, dy, x, weight, rstd, None if dx is dy else dx, parts, chunks,
-         dweight)
+    _run("rms_norm_bwd", "rms_norm_bwd+params", x, dy, x, weight, rstd,
+         None if dx is dy else dx, parts, chunks, dweight)
     if parts.base is not dweight:
         _SCRATCH.give(parts)
 
@@ -716,15 +791,15 @@ def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
 def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
     rows = x.shape[0] * x.shape[1]
     if dweight is None and dbias is None:
-        _run("layer_norm_bwd", x, dy, x, weight, mean, rstd, None if dx is dy else dx,
-             None, None, rows, None, None)
+        _run("layer_norm_bwd", "layer_norm_bwd", x, dy, x, weight, mean, rstd,
+             None if dx is dy else dx, None, None, rows, None, None)
         return
     chunks = param_chunks(rows, x.shape[2])
     acc_dtype = rstd.dtype                            # rstd is in the accumulator type
     wparts = _partials(dweight, chunks, acc_dtype)
     bparts = _partials(dbias, chunks, acc_dtype)
-    _run("layer_norm_bwd", x, dy, x, weight, mean, rstd, None if dx is dy else dx, wparts,
-         bparts, chunks, dweight, dbias)
+    _run("layer_norm_bwd", "layer_norm_bwd+params", x, dy, x, weight, mean, rstd,
+         None if dx is dy else dx, wparts, bparts, chunks, dweight, dbias)
     if wparts is not None and wparts.base is not dweight:
         _SCRATCH.give(wparts)
     if bparts is not None and bparts.base is not dbias:
@@ -746,22 +821,27 @@ def warmup(dtypes=None, verbose=False):
             x = rng.standard_normal(shape).astype(dtype)
             dy = rng.standard_normal(shape).astype(dtype)
             for pdt in {dtype, D.float32}:
-                w = np.ones(shape[-1], pdt)
                 key = f"{dtype}/{pdt}/{'serial' if rows == 1 else 'parallel'}"
                 t0 = time.perf_counter()
-                y = nf.softmax_fwd(x)
-                for out in (None, dy.copy()):      # and the in-place (out=dy) kernels
-                    nf.softmax_bwd(y, dy if out is None else out, out=out)
-                for weight in (None, w):
-                    y, rstd = nf.rms_norm_fwd(x, weight)
-                    for out in (None, dy.copy()):
-                        nf.rms_norm_bwd(dy if out is None else out, x, weight, rstd, out=out)
-                    for bias in (None, w):
-                        y, mean, rstd = nf.layer_norm_fwd(x, weight, bias)
-                        for out in (None, dy.copy()):
-                            nf.layer_norm_bwd(dy if out is None else out, x, weight, bias,
-                                              mean, rstd, out=out)
+                with forced(parallel=rows > 1):
+                    _warm_calls(nf, x, dy, np.ones(shape[-1], pdt))
                 timings[key] = time.perf_counter() - t0
                 if verbose:
                     print(f"  {key}: {timings[key]:.2f} s")
     return timings
+
+
+def _warm_calls(nf, x, dy, w):
+    """Every op and direction, with and without weight/bias, out= and in place."""
+    y = nf.softmax_fwd(x)
+    for out in (None, dy.copy()):      # and the in-place (out=dy) kernels
+        nf.softmax_bwd(y, dy if out is None else out, out=out)
+    for weight in (None, w):
+        y, rstd = nf.rms_norm_fwd(x, weight)
+        for out in (None, dy.copy()):
+            nf.rms_norm_bwd(dy if out is None else out, x, weight, rstd, out=out)
+        for bias in (None, w):
+            y, mean, rstd = nf.layer_norm_fwd(x, weight, bias)
+            for out in (None, dy.copy()):
+                nf.layer_norm_bwd(dy if out is None else out, x, weight, bias,
+                                  mean, rstd, out=out)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import numba_fused as nf
+from numba_fused import cpu
 from numba_fused import reference as ref
 from conftest import (BF16, DTYPES, F16, F32, F64, HALVES, LAYOUTS, TOL, acc_dtype,
                       as_layout, assert_bits_equal, assert_close, assert_rel_elementwise,
@@ -394,6 +395,21 @@ def test_small_call_entry(rng, monkeypatch, op, dtype, shape, params):
     check_op(op, d, small)
 
 
+def test_small_call_publishes_only_compiled_entries():
+    """A first call above the size limit binds the limit but no entry: an entry
+    is used only once a signature is compiled and compilation is disabled again
+    (a published entry with compilation enabled compiled any argument types)."""
+    from numba_fused import _dispatch
+    small = _dispatch._SmallCall("softmax_fwd", lambda x, y: True)
+    big = np.ones((4, cpu.SMALL_BELOW["softmax_fwd"]), F32)
+    assert small.takes(big)                  # limit unknown before first use
+    assert not small.run(big, (big, np.empty_like(big)))
+    assert small.kernel is None and not small.takes(big)
+    x = np.ones((2, 8), F32)
+    assert small.run(x, (x, np.empty_like(x)))
+    assert small.kernel is not None and not small.kernel._can_compile
+
+
 def _small_args(rng, dtype=F32, cols=64):
     x = draw(rng, (2, cols), dtype)
     w = draw_param(rng, cols, "x", dtype)
@@ -509,7 +525,8 @@ def test_inplace_backward_takes_the_inplace_kernel(rng, monkeypatch, op, layout)
     d = _make_case(op, rng, (40, 8, 130), F32)
     d = {k: (as_layout(v, layout) if k in ROW_ARGS else v) for k, v in d.items()}
     seen, run = [], cpu._run
-    monkeypatch.setattr(cpu, "_run", lambda name, x, *a: seen.append(a) or run(name, x, *a))
+    monkeypatch.setattr(cpu, "_run",
+                        lambda name, key, x, *a: seen.append(a) or run(name, key, x, *a))
     want = call_op(op, d, out=poisoned(d["dy"].shape, F32))
     got = call_op(op, d, out=d["dy"])
     assert got[0] is d["dy"]
@@ -780,7 +797,7 @@ def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind):
     """dweight/dbias: the same bits on every run and for 1 and 2 threads."""
     if restore_threads < 2:
         pytest.skip("numba has fewer than 2 threads")
-    shape = (777, 130)           # > SERIAL_BELOW elements: the parallel kernels
+    shape = (777, 130)           # run on the parallel kernels (cpu.forced)
     x = draw(rng, shape, dtype, loc=0.3)
     w = draw_param(rng, shape[-1], pkind, dtype)
     b = draw_param(rng, shape[-1], pkind, dtype, loc=0.0)
@@ -791,8 +808,11 @@ def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind):
         _, mean, rstd = nf.layer_norm_fwd(x, w, b)
         d = dict(dy=dy, x=x, weight=w, bias=b, mean=mean, rstd=rstd)
     results = []
-    for n in (1, 2, 2, 1):
-        numba.set_num_threads(n)
+    with cpu.forced(parallel=True):
+        for n in (1, 2, 2, 1):
+            numba.set_num_threads(n)
+            results.append(call_op(op, d))
+    with cpu.forced(parallel=False):
         results.append(call_op(op, d))
     for other in results[1:]:
         for g, w0 in zip(other, results[0]):

@@ -28,11 +28,12 @@ def _ops(x, dy, w):
 
 def test_eight_threads_launching_parallel_kernels_at_once():
     rng = np.random.default_rng(7)
-    shape = (64, cpu.SERIAL_BELOW // 32)          # above the serial threshold
+    shape = (64, cpu.SERIAL_BELOW // 32)          # run on the parallel kernels (forced)
     x = rng.standard_normal(shape).astype(np.float32)
     dy = rng.standard_normal(shape).astype(np.float32)
     w = rng.standard_normal(shape[-1]).astype(np.float32)
-    expected = _ops(x, dy, w)
+    with cpu.forced(parallel=False):
+        expected = _ops(x, dy, w)
     barrier = threading.Barrier(8)
     results, errors = [None] * 8, []
 
@@ -45,10 +46,11 @@ def test_eight_threads_launching_parallel_kernels_at_once():
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    with cpu.forced(parallel=True):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
     assert not errors, errors
     for got in results:
         for a, b in zip(got, expected):
@@ -90,6 +92,32 @@ _SMALL_THREADS = textwrap.dedent("""
             assert a.tobytes() == b.tobytes()
     print("ok", len(results))
 """)
+
+
+def test_calibrated_thresholds(monkeypatch):
+    """The serial/parallel thresholds follow the measured launch cost: the floors
+    at ~2 us, 2 * launch * serial rate above them, capped; forced() overrides and
+    restores them."""
+    monkeypatch.setattr(cpu, "_serial_below", dict(cpu._serial_below))
+    monkeypatch.setattr(cpu, "_calibrated", False)
+    monkeypatch.setattr(cpu, "launch_cost", lambda: 2e-6)
+    cpu._calibrate()
+    assert cpu._calibrated
+    assert abs(cpu._serial_below["softmax_fwd"] - 2 * 2 * cpu._SERIAL_RATE["softmax_fwd"]) <= 1
+    assert cpu._serial_below["softmax_bwd"] == cpu.SERIAL_BELOW
+    assert cpu._serial_below["rms_norm_bwd+params"] == 1 << 17
+    monkeypatch.setattr(cpu, "launch_cost", lambda: 60e-6)
+    cpu._calibrate()
+    assert abs(cpu._serial_below["softmax_bwd"] - 2 * 60 * cpu._SERIAL_RATE["softmax_bwd"]) <= 1
+    monkeypatch.setattr(cpu, "launch_cost", lambda: 1e-3)
+    cpu._calibrate()
+    assert set(cpu._serial_below.values()) == {cpu.SERIAL_CAP}
+    saved = dict(cpu._serial_below)
+    with cpu.forced(parallel=True):
+        assert set(cpu._serial_below.values()) == {0}
+    assert cpu._serial_below == saved
+    assert cpu.SMALL_BELOW["softmax_fwd"] == 1 << 13      # entries keep the floors
+    assert 0 < cpu.launch_cost() < 1.0                    # the real probe runs
 
 
 def test_eight_threads_first_small_calls_at_once():
