@@ -311,6 +311,20 @@ def test_strided_out(rng, op, dtype, shape, layout):
     assert np.isnan(base.astype(np.float32)).sum() == nan_before - out.size
 
 
+def _check_like_general(op, d, got, general, path):
+    """``path``'s results: the general path's bits, in fresh C-contiguous writable
+    NumPy-owned arrays of NumPy's canonical dtypes, and right against the reference."""
+    for f, g in zip(got, general):
+        if g is None:
+            assert f is None
+            continue
+        assert_bits_equal(f, g, f"{op} {path} vs general path")
+        assert f.flags.c_contiguous and f.flags.owndata and f.flags.writeable
+        assert f.dtype is np.dtype(g.dtype.name)
+        assert not any(np.shares_memory(f, v) for v in d.values() if v is not None)
+    check_op(op, d, got)
+
+
 # ============================================================ host fast path
 FAST_SHAPES = [(1, 1024), (7,), (6, 4, 33), (40, 8, 130), (1, 70000)]
 
@@ -339,14 +353,7 @@ def test_fast_path_matches_general_path(rng, monkeypatch, op, dtype, shape, para
     fast = call_op(op, d)
     monkeypatch.undo()
     assert_unmodified(orig, list(d.values()), list(d))
-    for f, g in zip(fast, general):
-        if g is None:
-            assert f is None
-            continue
-        assert_bits_equal(f, g, f"{op} fast vs general path")
-        assert f.flags.c_contiguous and f.flags.owndata
-        assert not any(np.shares_memory(f, v) for v in d.values() if v is not None)
-    check_op(op, d, fast)
+    _check_like_general(op, d, fast, general, "fast path")
 
 
 # ========================================================= small-call entries
@@ -384,15 +391,7 @@ def test_small_call_entry(rng, monkeypatch, op, dtype, shape, params):
     small = call_op(op, d)
     monkeypatch.undo()
     assert_unmodified(orig, list(d.values()), list(d))
-    for f, g in zip(small, general):
-        if g is None:
-            assert f is None
-            continue
-        assert_bits_equal(f, g, f"{op} small call vs general path")
-        assert f.flags.c_contiguous and f.flags.owndata and f.flags.writeable
-        assert f.dtype is np.dtype(g.dtype.name)
-        assert not any(np.shares_memory(f, v) for v in d.values() if v is not None)
-    check_op(op, d, small)
+    _check_like_general(op, d, small, general, "small call")
 
 
 def test_small_call_publishes_only_compiled_entries():
