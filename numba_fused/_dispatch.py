@@ -318,8 +318,8 @@ def _host_ok(x, like=(), params=(), stats=()):
 
     Every attribute read costs ~50 ns on the project's VMs, so each is read once.
     Dtypes are compared by ``is`` first: NumPy's builtin dtypes are canonical
-    objects, but arrays returned by cached numba code (the small-call entries)
-    carry equal, distinct ones, which ``==`` then accepts."""
+    objects, but some arrays (e.g. returned by cached numba code) carry equal,
+    distinct ones, which ``==`` then accepts."""
     if type(x) is not _NDARRAY:
         return False
     dt, shape = x.dtype, x.shape
@@ -457,10 +457,10 @@ def softmax_fwd(x, *, out=None, dtype=None, stream=None):
             y = np.empty_like(x)
             if _small_softmax_fwd.run(x, (x, y)):
                 return y
-    if out is None and dtype is None and stream is None and _host_ok(x):
-        y = np.empty_like(x)
-        HOST.kernels.softmax_fwd(_host_rows(x), _host_rows(y))
-        return y
+        if _host_ok(x):
+            y = np.empty_like(x)
+            HOST.kernels.softmax_fwd(_host_rows(x), _host_rows(y))
+            return y
     ctx = _context([("x", x), ("out", out)], stream)
     x = _check_input(ctx, x, "x", dtype)
     out = _check_out(ctx, out, x.shape, x.dtype, [("x", x)], tag=dtype)
@@ -481,10 +481,10 @@ def softmax_bwd(y, dy, *, out=None, dtype=None, stream=None):
             dx = np.empty_like(y)
             if _small_softmax_bwd.run(y, (y, dy, dx)):
                 return dx
-    if out is None and dtype is None and stream is None and _host_ok(y, (dy,)):
-        dx = np.empty_like(y)
-        HOST.kernels.softmax_bwd(_host_rows(y), _host_rows(dy), _host_rows(dx))
-        return dx
+        if _host_ok(y, (dy,)):
+            dx = np.empty_like(y)
+            HOST.kernels.softmax_bwd(_host_rows(y), _host_rows(dy), _host_rows(dx))
+            return dx
     ctx = _context([("y", y), ("dy", dy), ("out", out)], stream)
     y = _check_input(ctx, y, "y", dtype)
     dy = _check_like(ctx, dy, "dy", y, "y", dtype)
@@ -511,13 +511,12 @@ def rms_norm_fwd(x, weight=None, eps=1e-6, *, out=None, dtype=None, stream=None)
             y, rstd = np.empty_like(x), np.empty(len(x), x.dtype)
             if _small_rms_norm_fwd.run(x, (x, weight, eps, y, rstd)):
                 return y, rstd
-    if (out is None and dtype is None and stream is None and _host_ok(x, (), (weight,))
-            and _fast_eps(eps)):
-        y = np.empty_like(x)
-        rstd = np.empty(x.shape[:-1], _HOST_ACC[x.dtype])
-        HOST.kernels.rms_norm_fwd(_host_rows(x), _host_storage(weight), eps,
-                                  _host_rows(y), _host_stats(rstd))
-        return y, rstd
+        if _host_ok(x, (), (weight,)) and _fast_eps(eps):
+            y = np.empty_like(x)
+            rstd = np.empty(x.shape[:-1], _HOST_ACC[x.dtype])
+            HOST.kernels.rms_norm_fwd(_host_rows(x), _host_storage(weight), eps,
+                                      _host_rows(y), _host_stats(rstd))
+            return y, rstd
     ctx = _context([("x", x), ("weight", weight), ("out", out)], stream)
     x = _check_input(ctx, x, "x", dtype)
     weight = _check_param(ctx, weight, "weight", x)
@@ -545,14 +544,13 @@ def rms_norm_bwd(dy, x, weight, rstd, *, out=None, dtype=None, stream=None):
             dx, dweight = np.empty_like(x), _host_empty(weight)
             if _small_rms_norm_bwd.run(x, (dy, x, weight, rstd, dx, dweight)):
                 return dx, dweight
-    if (out is None and dtype is None and stream is None
-            and _host_ok(x, (dy,), (weight,), (rstd,))):
-        dx = np.empty_like(x)
-        dweight = _host_empty(weight)
-        HOST.kernels.rms_norm_bwd(_host_rows(dy), _host_rows(x), _host_storage(weight),
-                                  _host_stats(rstd), _host_rows(dx),
-                                  _host_storage(dweight))
-        return dx, dweight
+        if _host_ok(x, (dy,), (weight,), (rstd,)):
+            dx = np.empty_like(x)
+            dweight = _host_empty(weight)
+            HOST.kernels.rms_norm_bwd(_host_rows(dy), _host_rows(x), _host_storage(weight),
+                                      _host_stats(rstd), _host_rows(dx),
+                                      _host_storage(dweight))
+            return dx, dweight
     ctx = _context([("dy", dy), ("x", x), ("weight", weight), ("rstd", rstd),
                     ("out", out)], stream)
     x = _check_input(ctx, x, "x", dtype)
@@ -591,15 +589,14 @@ def layer_norm_fwd(x, weight=None, bias=None, eps=1e-5, *, out=None, dtype=None,
                              np.empty(len(x), x.dtype))
             if _small_layer_norm_fwd.run(x, (x, weight, bias, eps, y, mean, rstd)):
                 return y, mean, rstd
-    if (out is None and dtype is None and stream is None
-            and _host_ok(x, (), (weight, bias)) and _fast_eps(eps)):
-        y = np.empty_like(x)
-        mean = np.empty(x.shape[:-1], _HOST_ACC[x.dtype])
-        rstd = np.empty(x.shape[:-1], mean.dtype)
-        HOST.kernels.layer_norm_fwd(_host_rows(x), _host_storage(weight),
-                                    _host_storage(bias), eps, _host_rows(y),
-                                    _host_stats(mean), _host_stats(rstd))
-        return y, mean, rstd
+        if _host_ok(x, (), (weight, bias)) and _fast_eps(eps):
+            y = np.empty_like(x)
+            mean = np.empty(x.shape[:-1], _HOST_ACC[x.dtype])
+            rstd = np.empty(x.shape[:-1], mean.dtype)
+            HOST.kernels.layer_norm_fwd(_host_rows(x), _host_storage(weight),
+                                        _host_storage(bias), eps, _host_rows(y),
+                                        _host_stats(mean), _host_stats(rstd))
+            return y, mean, rstd
     ctx = _context([("x", x), ("weight", weight), ("bias", bias), ("out", out)], stream)
     x = _check_input(ctx, x, "x", dtype)
     weight = _check_param(ctx, weight, "weight", x)
@@ -636,14 +633,14 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, *, out=None, dtype=None,
             if _small_layer_norm_bwd.run(x, (dy, x, weight, bias, mean, rstd,
                                              dx, dweight, dbias)):
                 return dx, dweight, dbias
-    if (out is None and dtype is None and stream is None
-            and _host_ok(x, (dy,), (weight, bias), (mean, rstd))):
-        dx = np.empty_like(x)
-        dweight, dbias = _host_empty(weight), _host_empty(bias)
-        HOST.kernels.layer_norm_bwd(_host_rows(dy), _host_rows(x), _host_storage(weight),
-                                    _host_stats(mean), _host_stats(rstd), _host_rows(dx),
-                                    _host_storage(dweight), _host_storage(dbias))
-        return dx, dweight, dbias
+        if _host_ok(x, (dy,), (weight, bias), (mean, rstd)):
+            dx = np.empty_like(x)
+            dweight, dbias = _host_empty(weight), _host_empty(bias)
+            HOST.kernels.layer_norm_bwd(_host_rows(dy), _host_rows(x),
+                                        _host_storage(weight), _host_stats(mean),
+                                        _host_stats(rstd), _host_rows(dx),
+                                        _host_storage(dweight), _host_storage(dbias))
+            return dx, dweight, dbias
     ctx = _context([("dy", dy), ("x", x), ("weight", weight), ("bias", bias),
                     ("mean", mean), ("rstd", rstd), ("out", out)], stream)
     x = _check_input(ctx, x, "x", dtype)

@@ -478,10 +478,12 @@ PARALLEL = _build(prange)
 SERIAL = _build(range)
 
 
-#: serial/parallel thresholds in elements, by kernel key (name, or name+"+params")
-_serial_below = {key: _SERIAL_BELOW_BY_KERNEL.get(key, SERIAL_BELOW) for key in _SERIAL_RATE}
-#: the floors, which the small-call entries use (they are serial; never calibrated)
-SMALL_BELOW = {name: _serial_below[name] for name in SERIAL}
+#: the serial/parallel floors in elements, by kernel key (name, or name+"+params")
+_FLOORS = {key: _SERIAL_BELOW_BY_KERNEL.get(key, SERIAL_BELOW) for key in _SERIAL_RATE}
+#: the thresholds in use: the floors until ``_calibrate`` runs
+_serial_below = dict(_FLOORS)
+#: the floors the small-call entries use (they are serial; never calibrated)
+SMALL_BELOW = {name: _FLOORS[name] for name in SERIAL}
 _launch_lock = threading.Lock()
 _needs_lock = True   # until the first parallel launch shows which layer loaded
 _calibrated = False
@@ -518,8 +520,7 @@ def _calibrate():
     global _calibrated
     launch_us = launch_cost() * 1e6
     for key, rate in _SERIAL_RATE.items():
-        floor = _SERIAL_BELOW_BY_KERNEL.get(key, SERIAL_BELOW)
-        _serial_below[key] = int(min(SERIAL_CAP, max(floor, 2 * launch_us * rate)))
+        _serial_below[key] = int(min(SERIAL_CAP, max(_FLOORS[key], 2 * launch_us * rate)))
     _calibrated = True
 
 
