@@ -595,6 +595,89 @@ def test_softmax_inf_nan_rows(rng, dtype, cols):
         assert np.all(dx[0, ninf] == 0)
 
 
+@pytest.mark.parametrize("rows", [cpu.PIPELINE_ROWS, cpu.PIPELINE_ROWS + 1, 97, 130])
+@pytest.mark.parametrize("cols", [1, 33, 1000])
+@dtypes
+def test_softmax_fwd_pipelined(rng, restore_threads, dtype, rows, cols):
+    """The pipelined forward (rows >= PIPELINE_ROWS): special rows at the first,
+    last and chunk-boundary positions behave as in a single-row call, results
+    match the reference, and a row's bits do not depend on its position, the
+    chunking (serial, parallel) or the thread count."""
+    x = draw(rng, (rows, cols), dtype, scale=2.0)
+    chunks = min(rows // 32, 8 * cpu.MAX_CHUNKS)
+    edges = sorted({0, 1, rows - 2, rows - 1} | {k * rows // chunks for k in range(chunks)}
+                   | {k * rows // chunks - 1 for k in range(1, chunks)})
+    special = {}
+    for i, r in enumerate(edges):
+        kind = ["ninf", "nan", "inf", "half", "finite"][i % 5]
+        if kind == "ninf":
+            x[r] = -np.inf
+        elif kind == "nan":
+            x[r, cols // 3] = np.nan
+        elif kind == "inf":
+            x[r, cols - 1] = np.inf
+        elif kind == "half":
+            x[r, : max(1, cols // 2)] = -np.inf
+        special[r] = kind
+    results = []
+    for parallel, threads in ((False, 1), (True, 1), (True, 2)):
+        numba.set_num_threads(min(threads, restore_threads))
+        with cpu.forced(parallel):
+            results.append(nf.softmax_fwd(x, out=poisoned(x.shape, dtype)))
+    y = results[0]
+    for other in results[1:]:
+        assert_bits_equal(other, y, "serial vs parallel, 1 and 2 threads")
+    for r, kind in special.items():
+        if kind in ("ninf", "nan", "inf") or (kind == "half" and cols == 1):
+            assert np.all(np.isnan(y[r])), (r, kind)
+        elif kind == "half":
+            assert np.all(y[r, : cols // 2] == 0) and np.all(np.isfinite(y[r])), (r, kind)
+    finite = [r for r in range(rows) if np.all(np.isfinite(ref.softmax_fwd(x[r:r + 1])))]
+    assert_close(y[finite], ref.softmax_fwd(x[finite]), what="y")
+    perm = rng.permutation(rows)
+    assert_bits_equal(nf.softmax_fwd(x[perm]), y[perm], "rows permuted")
+
+
+@pytest.mark.parametrize("rows", [cpu.PIPELINE_ROWS, 97])
+@pytest.mark.parametrize("cols", [1, 33, 1000])
+@pytest.mark.parametrize("op", ["rms_norm_fwd", "layer_norm_fwd"])
+@dtypes
+def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
+    """The pipelined norm forwards: NaN rows and rows that take LayerNorm's
+    second statistics pass at the first, last and chunk-boundary positions;
+    bits independent of position, chunking and thread count; the other rows
+    match the reference."""
+    x = draw(rng, (rows, cols), dtype, loc=0.5)
+    chunks = min(rows // 32, 8 * cpu.MAX_CHUNKS)
+    edges = sorted({0, 1, rows - 2, rows - 1} | {k * rows // chunks for k in range(chunks)}
+                   | {k * rows // chunks - 1 for k in range(1, chunks)})
+    q = cols // 4
+    nan_rows = edges[::2]
+    for r in nan_rows:
+        x[r, cols // 3] = np.nan
+    for r in edges[1::2]:               # outliers at the shift's sample points
+        x[r] = (x[r].astype(np.float64) + 100.0).astype(dtype)
+        x[r, [0, q, 2 * q, 3 * q]] = x[r, [0, q, 2 * q, 3 * q]] + np.asarray(60.0, dtype)
+    w = draw_param(rng, cols, "x", dtype)
+    b = draw_param(rng, cols, "x", dtype, loc=0.0)
+    d = dict(x=x, weight=w, bias=b)
+    results = []
+    for parallel, threads in ((False, 1), (True, 1), (True, 2)):
+        numba.set_num_threads(min(threads, restore_threads))
+        with cpu.forced(parallel):
+            results.append(call_op(op, d, out=poisoned(x.shape, dtype)))
+    for other in results[1:]:
+        for a, c in zip(other, results[0]):
+            assert_bits_equal(a, c, "serial vs parallel, 1 and 2 threads")
+    for r in nan_rows:
+        assert np.all(np.isnan(results[0][0][r])) and np.isnan(results[0][-1][r])
+    ok = [r for r in range(rows) if r not in nan_rows]
+    check_op(op, dict(d, x=x[ok]), [a[ok] for a in results[0]])
+    perm = rng.permutation(rows)
+    for a, c in zip(call_op(op, dict(d, x=x[perm])), results[0]):
+        assert_bits_equal(a, c[perm], "rows permuted")
+
+
 def _huge_rows(dtype, cols):
     if np.dtype(dtype) == F16:
         big = [1e4, 6e4, -6e4]
@@ -852,7 +935,7 @@ def test_non_contiguous_layouts_run_unit_stride_loops():
     out = np.empty((4, 6, 64), np.float32).transpose(1, 0, 2)
     w, st = np.ones(64, np.float32), np.ones(24, np.float32)
     part = np.empty((1, 64), np.float32)
-    args = {"softmax_fwd": (rows, out, 1), "softmax_bwd": (rows, rows, out),
+    args = {"softmax_fwd": (rows, out), "softmax_bwd": (rows, rows, out),
             "rms_norm_fwd": (rows, w, 1e-6, out, st.copy()),
             "rms_norm_bwd": (rows, rows, w, st, out, part, 1, w.copy()),
             "layer_norm_fwd": (rows, w, w, 1e-5, out, st.copy(), st.copy()),
