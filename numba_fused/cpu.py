@@ -19,7 +19,9 @@ the accumulator type, ``narrow`` rounds once at the store; it always sees rows a
 C-contiguous 1-D arrays (``_row_at``), whatever the layout of the 3-D views,
 so every layout runs the same vectorized code. Row drivers exist in a parallel
 build (prange over rows) and a serial one for small calls, where a parallel
-launch costs more than the work.
+launch costs more than the work. Forwards over many rows run software-pipelined
+(``_softmax_fwd_rows`` and the norms'): one pass over the columns reads the next
+row's statistics while it stores the current row, so memory and compute overlap.
 
 dweight/dbias: rows are split into a fixed number of chunks that depends only on
 (rows, cols), each chunk accumulates its own partial row in the accumulator type,
