@@ -15,7 +15,8 @@ from conftest import (BF16, DTYPES, F16, F32, F64, HALVES, LAYOUTS, TOL, acc_dty
                       check_op)
 
 SHAPES = [(7,), (1, 1), (3, 5, 129), (64, 1000), (2, 4099),
-          (4, 1), (4, 2), (5, 7), (4, 64), (3, 1000)]
+          (4, 1), (4, 2), (5, 7), (4, 64), (3, 1000),
+          (133, 1024)]          # 4-5 rows per dweight chunk: the row-pair backwards
 SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 shapes = pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
@@ -488,7 +489,8 @@ def test_param_grad_buffers_are_not_reused_across_calls(rng):
 
 # ============================================================= in-place bwd
 @pytest.mark.parametrize("layout", ["C", "cols2", "transpose", "negrows"])
-@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=["serial", "parallel"])
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES + [(2, 67, 1024)],
+                         ids=["serial", "parallel", "row-pairs"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("op", BWD_OPS)
 def test_inplace_backward_bit_identical(rng, op, dtype, shape, layout):
@@ -875,11 +877,11 @@ def test_empty_rows(dtype):
 @pytest.mark.parametrize("pkind", ["x", "f32"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
-def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind):
+@pytest.mark.parametrize("shape", [(777, 130), (517, 1024)], ids=str)   # one row, row pairs
+def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind, shape):
     """dweight/dbias: the same bits on every run and for 1 and 2 threads."""
     if restore_threads < 2:
         pytest.skip("numba has fewer than 2 threads")
-    shape = (777, 130)           # run on the parallel kernels (cpu.forced)
     x = draw(rng, shape, dtype, loc=0.3)
     w = draw_param(rng, shape[-1], pkind, dtype)
     b = draw_param(rng, shape[-1], pkind, dtype, loc=0.0)
