@@ -705,8 +705,8 @@ def _row_pairs_impl(x, wparts, bparts):
     """Whether a norm backward runs its store passes on pairs of rows (a constant
     per signature): with dweight/dbias partials, in float32/float64. Measured
     2026-12-04 (benchmarks/ab.py, 1024-262144 columns): layer_norm bwd float32
-    1.05-1.60x, float64 1.09-1.34x; rms_norm bwd float32 0.96-1.20x, float64
-    1.05-1.18x. bfloat16 layer_norm bwd gained 1.11-1.25x in cache but lost
+    1.02-1.60x, float64 0.99-1.34x; rms_norm bwd float32 0.96-1.20x, float64
+    1.02-1.18x. bfloat16 layer_norm bwd gained 1.11-1.25x in cache but lost
     0.80-0.90x at 32768-65536 rows of 1024 columns, so halves keep one row per pass.
     The pair stores depend on ``_no_alias``: without it the fused loop measured
     0.21-0.82x (not investigated; likely too many run-time overlap checks for LLVM
