@@ -77,11 +77,11 @@ def _wide_vectors(typingctx):
     outlines its body, so the drivers ask inside the loop.
 
     Where it pays (benchmarks/ab.py, 2026-12-04, Xeon with AVX-512, 2 cores,
-    256 -> 512 bits): softmax fwd, whose exp is compute-bound, 1.11-1.15x in
-    float32 and 1.18-1.30x in bfloat16; every bfloat16 kernel 1.02-1.27x
-    (``_wide_for_halves``). Not for the float32 norm backwards: rms_norm bwd
-    0.82-0.87x, layer_norm bwd 0.79x at 65536x1024 (memory-bound streams; the
-    other float32 kernels were within +-5%), so they keep LLVM's choice."""
+    256 -> 512 bits, median ratios): softmax fwd, whose exp is compute-bound,
+    1.11-1.29x in float32, 1.17-1.30x in bfloat16; the other float16/bfloat16
+    kernels 1.00-1.27x (``_wide_for_halves``). Not for the float32 norm
+    backwards (rms_norm bwd 0.82-0.87x, layer_norm bwd 0.79-1.05x); softmax bwd and
+    the float32/float64 forwards moved 0.95-1.07x: those keep LLVM's choice."""
     return types.void(), _prefer_512
 
 
@@ -134,8 +134,8 @@ _PARTIAL_ELEMS = 1 << 20
 def _no_alias(typingctx):
     """Marks the data pointer of every array argument of the function being
     compiled ``noalias``: LLVM then vectorizes its loops without run-time overlap
-    checks, of which it allows only a few per loop (the fused loops below have
-    more). Valid because of how the kernels are called: an output never shares
+    checks (the row-pair store loops below measured 0.21-0.82x of the row-by-row
+    code as plain inlined code, 0.96-1.60x as functions with this). Valid because of how the kernels are called: an output never shares
     memory with another argument (the dispatcher rejects overlapping ``out=``, and
     an in-place backward passes dx as None and writes through dy), and arguments
     that do share memory are only read, which ``noalias`` allows."""
@@ -297,9 +297,9 @@ def _softmax_fwd_rows(x, y, lo, hi, sa, sb, spare):
     Why: the three passes of ``_softmax_fwd_row`` each wait on memory or on the
     exp in turn, and their times add (measured 2026-12-04 on the project's Xeon:
     max pass 0.44 + exp pass 0.30 + store pass 0.3 ns per element per core); one
-    pass that streams x in and y out while the exp runs hides most of the exp
-    (1.35-1.69x in float32 at 1024-16384 columns; ~1.05x in bfloat16, whose
-    conversions keep it compute-bound). Every row goes through the same three
+    pass that streams x in and y out while the exp runs hides much of the exp
+    (ab.py median ratios 1.19-1.49x in float32, 1.52-1.65x in float64; 0.95-1.17x
+    in bfloat16, whose conversions keep it compute-bound). Every row goes through the same three
     stages of the same loop whatever lo and hi are: the first two iterations store
     into ``spare`` and the last two repeat row hi - 1's max and exps (the same
     values), so results do not depend on the chunking. y never overlaps x (the
@@ -354,8 +354,8 @@ def _rms_norm_fwd_stage(xa, xc, weight, rstd, yc):
 @_row
 def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi, spare):
     """Rows lo..hi-1, pipelined as ``_softmax_fwd_rows`` in two stages: one pass
-    sums the squares of row r + 1 and stores row r (1.08-1.28x, float32 and
-    bfloat16, measured 2026-12-04). The first iteration stores into ``spare``."""
+    sums the squares of row r + 1 and stores row r (ab.py median ratios 0.97-1.28x
+    over float32, bfloat16 and float64, 2026-12-04). The first iteration stores into ``spare``."""
     cols = x.shape[2]
     rc = acc(x, 1.0)
     for v in range(lo - 1, hi):
