@@ -373,13 +373,19 @@ def _rms_norm_bwd_row(dy, x, weight, rstd, dx, dweight, first):
     chunk's ``first`` row, so partial rows need no zeroing). dx None: into dy."""
     cols = x.shape[0]
     rstd = acc(x, rstd)
-    dot = _grad_sums(dy, weight, x, acc(x, 0.0), rstd)[0] / acc(x, cols)
+    dot = _rms_norm_bwd_dot(dy, x, weight, rstd)
     dx = _target(dx, dy)
     for c in range(cols):
         d = widen(dy[c])
         xhat = widen(x[c]) * rstd
         _add_into(dweight, c, d * xhat, first)
         dx[c] = narrow(rstd * (_times(d, weight, c) - xhat * dot), dx)
+
+
+@_row
+def _rms_norm_bwd_dot(dy, x, weight, rstd):
+    """mean(g * xhat) of a row (one row or a pair: the same dx bits)."""
+    return _grad_sums(dy, weight, x, acc(x, 0.0), rstd)[0] / acc(x, x.shape[0])
 
 
 @njit(cache=True, nogil=True, error_model='numpy')
@@ -406,8 +412,8 @@ def _rms_norm_bwd_row_pair(dy0, x0, dy1, x1, weight, rstd0, rstd1, dx0, dx1, dwe
     """Two consecutive rows of ``_rms_norm_bwd_row`` with a dweight partial (the
     same dx bits; dweight adds a0 + a1 where row by row added a0, then a1)."""
     rstd0, rstd1 = acc(x0, rstd0), acc(x0, rstd1)
-    dot0 = _grad_sums(dy0, weight, x0, acc(x0, 0.0), rstd0)[0] / acc(x0, x0.shape[0])
-    dot1 = _grad_sums(dy1, weight, x1, acc(x0, 0.0), rstd1)[0] / acc(x0, x0.shape[0])
+    dot0 = _rms_norm_bwd_dot(dy0, x0, weight, rstd0)
+    dot1 = _rms_norm_bwd_dot(dy1, x1, weight, rstd1)
     _rms_norm_bwd_pair_store(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1, dx0, dx1,
                              dweight, first)
 
