@@ -19,6 +19,12 @@
 #                           --device gpu` when that CLI exists; `own` for a short
 #                           device budget -- the CLI checks every case against a
 #                           float64 host reference, which takes minutes at these sizes)
+#   GPU_CHECK_JOBS=N        pytest-xdist workers for the tests when xdist is installed
+#                           (default 8: compiling the kernels is most of their time)
+#   GPU_CHECK_TEST_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT   seconds for each stage (default
+#                           none), so a short device lease still returns the later stages
+#   GPU_CHECK_FALLBACK=DIR  a folder holding an unpacked numba-cuda >= 0.30 wheel, put on
+#                           PYTHONPATH when the machine's numba-cuda is older or missing
 # The PTX/SASS test (tests/test_gpu_ptx.py) needs no GPU and is not run here.
 # Exit status: non-zero if a test failed, the benchmark failed its accuracy check,
 # or the benchmark could not run.
@@ -33,8 +39,21 @@ shift
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
 status=0
+STAGE_T() { # STAGE_T SECONDS cmd...: run with a time limit when SECONDS > 0
+    local t=$1; shift
+    if [ "${t:-0}" -gt 0 ] 2>/dev/null; then timeout --kill-after=10 "$t" "$@"; else "$@"; fi
+}
+if [ -n "${GPU_CHECK_FALLBACK:-}" ] && ! "$PY" - <<'EOF' 2>/dev/null
+import numba_cuda, sys
+v = tuple(int(p) for p in numba_cuda.__version__.split(".")[:2])
+sys.exit(0 if v >= (0, 30) else 1)
+EOF
+then
+    echo "numba-cuda missing or < 0.30: using $GPU_CHECK_FALLBACK"
+    export PYTHONPATH="$GPU_CHECK_FALLBACK:$PYTHONPATH"
+fi
 
 if [ "${GPU_CHECK_SIMULATOR:-0}" = "1" ]; then
     export NUMBA_ENABLE_CUDASIM=1
@@ -72,8 +91,14 @@ fi
 
 if [ "${GPU_CHECK_SIMULATOR:-0}" != "1" ] && [ "${GPU_CHECK_SKIP_TESTS:-0}" != "1" ]; then
     echo "== GPU tests on hardware"
-    NUMBA_FUSED_GPU_BIG=${NUMBA_FUSED_GPU_BIG:-1} "$PY" -m pytest tests/gpu_cases.py \
-        -q -p no:cacheprovider -o addopts= -rfEs \
+    XDIST=()
+    if "$PY" -c "import xdist" 2>/dev/null && [ "${GPU_CHECK_JOBS:-8}" -gt 1 ]; then
+        XDIST=(-n "${GPU_CHECK_JOBS:-8}")
+    fi
+    "$PY" -c "import pytest_timeout" 2>/dev/null && XDIST+=(--timeout 300)
+    NUMBA_FUSED_GPU_BIG=${NUMBA_FUSED_GPU_BIG:-1} STAGE_T "${GPU_CHECK_TEST_TIMEOUT:-0}" \
+        "$PY" -m pytest tests/gpu_cases.py "${XDIST[@]}" \
+        -q -p no:cacheprovider -o addopts= -rfEs --durations=15 \
         2>&1 | tee "$OUT.tests.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU tests FAILED (log: $OUT.tests.log)"; status=1; }
 fi
@@ -81,7 +106,8 @@ fi
 BENCH=${GPU_CHECK_BENCH:-both}
 if [ "$BENCH" != "cli" ]; then
     echo "== benchmark (benchmarks/gpu_bench.py -> $OUT)"
-    "$PY" benchmarks/gpu_bench.py "$OUT" "${BENCH_ARGS[@]}" "$@" || status=1
+    STAGE_T "${GPU_CHECK_BENCH_TIMEOUT:-0}" "$PY" benchmarks/gpu_bench.py "$OUT" \
+        "${BENCH_ARGS[@]}" "$@" 2> >(tee "$OUT.bench.log" >&2) || status=1
     [ -s "$OUT" ] && cat "$OUT" || { echo "no table written"; status=1; }
 fi
 
