@@ -66,7 +66,15 @@ import threading
 
 import numpy as np
 
-from numba import cuda, types
+# numba-cuda 0.30.4 (the last release: maintenance mode, NVIDIA/numba-cuda#907 closed
+# as won't-fix) registers an overload of np.row_stack when its typing registries load
+# at the first kernel compile; NumPy 2.5 removed that alias of vstack, so every
+# compile raised AttributeError there (seen on the project's H200 image: numba 0.68.0,
+# NumPy 2.5.2). The alias is restored for numba-cuda to find; it is exactly vstack.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import cuda, types  # noqa: E402
 
 from . import _dtypes as D
 

@@ -228,3 +228,27 @@ def test_bad_stream_rejected_without_a_driver():
         gpu.DEVICE.check_stream("nope")
     with pytest.raises(TypeError, match="stream"):
         gpu.DEVICE.check_stream(True)
+
+
+def test_compiles_where_numpy_has_no_row_stack():
+    """NumPy 2.5 removed np.row_stack, which numba-cuda 0.30.4 overloads when its
+    registries load at the first compile (AttributeError on the project's H200 image);
+    importing numba_fused.gpu restores the alias. A fresh process, since this one's
+    registries are loaded already."""
+    import subprocess
+    import sys
+    code = (
+        "import numpy as np\n"
+        "if hasattr(np, 'row_stack'):\n"
+        "    del np.row_stack\n"
+        "from numba_fused import gpu\n"
+        "from numba import cuda, types\n"
+        "f, lb = gpu.kernel_source('softmax_fwd', gpu.HW_TABLE.choose(1024, 4, False),"
+        " np.float32)\n"
+        "sig = (types.float32[:, :, ::1], types.float32[:, :, ::1])\n"
+        "ptx = cuda.compile_ptx(f, sig, cc=(9, 0), launch_bounds=lb)[0]\n"
+        "assert 'shfl.sync' in ptx\n"
+        "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
