@@ -889,19 +889,56 @@ def _norm_bwd_src(cfg, ACC, group_sum, group_max, NS, layer, has_w, need_dw, nee
     return norm_bwd
 
 
-def _reduce_partials_src():
+#: the partial-row reduction's block: RED_COLS adjacent columns (one coalesced warp
+#: row) x RED_LANES row lanes
+RED_COLS, RED_LANES = (4, 4) if SIM else (32, 32)
+
+
+def _reduce_partials_src(acc=np.float32):
+    """out[c] = sum over the groups g of part[g, c], rounded once. Lane l of a column
+    adds rows l, l + L, l + 2L, ... in order (four loads in flight), then lane 0 adds
+    the L lane sums in order: a fixed partition and order, so the same bits on every
+    run. (One thread per column, summing every group in turn, ran at 1% of the DRAM
+    roofline on an H200: 201 us for 528 x 4096 partials, ncu 2026-12-04.)"""
+    CT, L = RED_COLS, RED_LANES
+    ACC = acc
+
     def reduce_partials(part, out):
-        """out[c] = sum over groups g (in order) of part[g, c], rounded once."""
-        c = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
-        step = np.int64(cuda.gridDim.x) * cuda.blockDim.x
+        buf = cuda.shared.array((L, CT), ACC)
+        t = cuda.threadIdx.x
+        tx = t % CT
+        ty = t // CT
         ng = part.shape[0]
         cols = part.shape[1]
-        while c < cols:
-            s = part[0, c]
-            for g in range(1, ng):
-                s += part[g, c]
-            _st1(out, c, s)
-            c += step
+        tile = np.int64(cuda.blockIdx.x)
+        while tile * CT < cols:
+            c = tile * CT + tx
+            s = ACC(0)
+            if c < cols and ty < ng:
+                s = part[ty, c]
+                g = ty + L
+                while g + 3 * L < ng:
+                    a0 = part[g, c]
+                    a1 = part[g + L, c]
+                    a2 = part[g + 2 * L, c]
+                    a3 = part[g + 3 * L, c]
+                    s += a0
+                    s += a1
+                    s += a2
+                    s += a3
+                    g += 4 * L
+                while g < ng:
+                    s += part[g, c]
+                    g += L
+            buf[ty, tx] = s
+            cuda.syncthreads()
+            if ty == 0 and c < cols:
+                r = buf[0, tx]
+                for k in range(1, min(L, ng)):
+                    r += buf[k, tx]
+                _st1(out, c, r)
+            cuda.syncthreads()
+            tile += cuda.gridDim.x
     return reduce_partials
 
 
@@ -984,11 +1021,13 @@ def _kernel(op, cfg, acc, **flags):
 _AUX = {}
 
 
-def _aux(name):
-    k = _AUX.get(name)
+def _aux(name, *args):
+    key = (name,) + args
+    k = _AUX.get(key)
     if k is None:
-        src = {"reduce": _reduce_partials_src, "fill": _fill_src, "copy4": _copy4_src}[name]()
-        k = _AUX[name] = cuda.jit(src)
+        src = {"reduce": _reduce_partials_src, "fill": _fill_src,
+               "copy4": _copy4_src}[name](*args)
+        k = _AUX[key] = cuda.jit(src)
     return k
 
 
@@ -1168,9 +1207,9 @@ class _Kernels:
         w = weight if weight is not None else _dummy(acc)
         mu = mean if mean is not None else rstd
         k[grid, cfg.tpb, s](dy, x, w, mu, rstd, dx, pw, pb)
-        red = _aux("reduce")
-        rtpb = 64 if SIM else 256
-        rgrid = max(1, min(-(-cols // rtpb), 4096))
+        red = _aux("reduce", acc)
+        rtpb = RED_COLS * RED_LANES
+        rgrid = max(1, min(-(-cols // RED_COLS), 65535))
         if need_dw:
             red[rgrid, rtpb, s](pw, dweight)
         if need_db:

@@ -397,6 +397,40 @@ def test_param_grads_deterministic(rng):
         assert_bits_equal(u, v, "run to run")
 
 
+def _reduce_in_order(part, lanes):
+    """NumPy emulation of gpu.reduce_partials' order: lane l adds rows l, l + lanes,
+    ... in turn, then the lane sums are added in lane order (accumulator dtype)."""
+    ng = part.shape[0]
+    sums = []
+    for lane in range(min(lanes, ng)):
+        s = part[lane].copy()
+        for g in range(lane + lanes, ng, lanes):
+            s = s + part[g]
+        sums.append(s)
+    r = sums[0]
+    for s in sums[1:]:
+        r = r + s
+    return r
+
+
+@pytest.mark.parametrize("ng,cols", [(1, 5), (3, 70), (37, 70), (150, 9)])
+@pytest.mark.parametrize("acc,out_dt", [(F32, F32), (F32, BF16), (F64, F64), (F64, F32)],
+                         ids=["f32", "f32-bf16", "f64", "f64-f32"])
+def test_reduce_partials_order_and_bits(rng, acc, out_dt, ng, cols):
+    """dweight/dbias's second kernel: the documented fixed order, bit for bit (the
+    unrolled lane loop included: ng > 4 lanes), rounded once to the output dtype."""
+    part = rng.standard_normal((ng, cols)).astype(acc)
+    red = gpu._aux("reduce", np.dtype(acc).type)
+    st = np.uint16 if out_dt == BF16 else out_dt
+    out = cuda.to_device(np.full(cols, 0x7FC1 if out_dt == BF16 else np.nan).astype(st))
+    rtpb = gpu.RED_COLS * gpu.RED_LANES
+    red[max(1, -(-cols // gpu.RED_COLS) // 2), rtpb](cuda.to_device(part), out)
+    got = out.copy_to_host()
+    got = got.view(BF16) if out_dt == BF16 else got
+    want = _reduce_in_order(part, gpu.RED_LANES).astype(out_dt)
+    assert_bits_equal(got, want, "reduce_partials")
+
+
 # ----------------------------------------------------------------- hardware
 @pytest.mark.skipif(SIM or not os.environ.get("NUMBA_FUSED_GPU_BIG"),
                     reason="real GPU with NUMBA_FUSED_GPU_BIG=1 (needs ~10 GB)")

@@ -160,8 +160,10 @@ def _aux_sigs():
 
 @pytest.mark.parametrize("name,sig", _aux_sigs(), ids=lambda v: str(v)[:40])
 def test_aux_kernels_compile(name, sig):
+    args = (np.float64 if sig[0].dtype == types.float64 else np.float32,) \
+        if name == "reduce" else ()
     src = {"reduce": gpu._reduce_partials_src, "fill": gpu._fill_src,
-           "copy4": gpu._copy4_src}[name]()
+           "copy4": gpu._copy4_src}[name](*args)
     ptx = cuda.compile_ptx(src, sig, cc=(9, 0))[0]
     assert ".local" not in ptx
 
