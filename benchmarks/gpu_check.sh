@@ -23,6 +23,8 @@
 #                           (default 8: compiling the kernels is most of their time)
 #   GPU_CHECK_TEST_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT   seconds for each stage (default
 #                           none), so a short device lease still returns the later stages
+#   GPU_CHECK_PROFILE=1     also benchmarks/gpu_profile.py host: per-call host cost, replayed
+#                           and general path (host_times.md, host_profile.txt beside OUT.md)
 #   GPU_CHECK_FALLBACK=DIR  a folder holding an unpacked numba-cuda >= 0.30 wheel, put on
 #                           PYTHONPATH when the machine's numba-cuda is older or missing
 # The PTX/SASS test (tests/test_gpu_ptx.py) needs no GPU and is not run here.
@@ -101,6 +103,12 @@ if [ "${GPU_CHECK_SIMULATOR:-0}" != "1" ] && [ "${GPU_CHECK_SKIP_TESTS:-0}" != "
         -q -p no:cacheprovider -o addopts= -rfEs --durations=15 \
         2>&1 | tee "$OUT.tests.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU tests FAILED (log: $OUT.tests.log)"; status=1; }
+fi
+
+if [ "${GPU_CHECK_PROFILE:-0}" = "1" ] && [ "${GPU_CHECK_SIMULATOR:-0}" != "1" ]; then
+    echo "== host cost per call (benchmarks/gpu_profile.py host)"
+    STAGE_T "${GPU_CHECK_BENCH_TIMEOUT:-0}" "$PY" benchmarks/gpu_profile.py host \
+        "$(dirname "$OUT")" 2>/dev/null || status=1
 fi
 
 BENCH=${GPU_CHECK_BENCH:-both}

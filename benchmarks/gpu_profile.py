@@ -4,16 +4,16 @@ benchmarks/gpu_check.sh with GPU_CHECK_PROFILE=1).
     python benchmarks/gpu_profile.py host OUT_DIR
         Host side: microseconds per call of each public function on small
         (1x1024 float32) and large (32768x4096 bfloat16) device arrays, against a bare
-        numba-cuda launch and torch's own calls; the same loops inside
-        ``cuda.defer_cleanup()`` (numba frees device memory in batches, and a free
-        synchronizes the device: a call that allocates its statistics then waits for the
-        GPU every few calls); event-timed device time per call both ways; cProfile of the
-        small calls (OUT_DIR/host_profile.txt).
+        numba-cuda launch and torch's own calls; each also through the general path
+        (replay of recorded launches off, see gpu.Replay); event-timed device time per
+        call both ways (OUT_DIR/host_times.md); cProfile of the small calls
+        (OUT_DIR/host_profile.txt).
 
     ncu ... python benchmarks/gpu_profile.py kernels
         One launch of each kernel worth a look (the cases below), for Nsight Compute;
         the case order is printed to stderr (kernel names are numba-mangled).
 """
+import contextlib
 import cProfile
 import io
 import os
@@ -112,10 +112,24 @@ def device_us(fn, n):
     return cuda.event_elapsed_time(a, b) * 1e3 / n
 
 
+@contextlib.contextmanager
+def general_path():
+    """Calls inside take the general path (no replay of recorded launches)."""
+    r = gpu.REPLAY
+    if r is None:
+        yield
+        return
+    r.enabled = False
+    try:
+        yield
+    finally:
+        r.enabled = True
+
+
 def host(out_dir):
     os.makedirs(out_dir, exist_ok=True)
-    lines = ["| case | host us/call | host us/call, defer_cleanup | device us/call "
-             "| device us/call, defer_cleanup |", "|---|---:|---:|---:|---:|"]
+    lines = ["| case | host us/call | host us/call, general path | device us/call "
+             "| device us/call, general path |", "|---|---:|---:|---:|---:|"]
 
     @cuda.jit
     def bare(a, b):
@@ -148,7 +162,7 @@ def host(out_dir):
                 n = 3 if TRY else 500 if rows == 1 else 20
                 h = host_us(fn, n)
                 d = device_us(fn, n)
-                with cuda.defer_cleanup():
+                with general_path():
                     hd = host_us(fn, n)
                     dd = device_us(fn, n)
                 lines.append(f"| {op} {direction} {dtype} {rows}x{cols} | {h:.1f} | {hd:.1f} "

@@ -431,6 +431,124 @@ def test_reduce_partials_order_and_bits(rng, acc, out_dt, ng, cols):
     assert_bits_equal(got, want, "reduce_partials")
 
 
+# ------------------------------------------------------------------ replay
+needs_replay = pytest.mark.skipif(SIM or gpu.REPLAY is None,
+                                  reason="replay runs recorded numba-cuda launches (real GPU)")
+
+
+def _general(fn, *a, **k):
+    """fn through the general path only (replay off)."""
+    gpu.REPLAY.enabled = False
+    try:
+        return fn(*a, **k)
+    finally:
+        gpu.REPLAY.enabled = True
+
+
+@needs_replay
+@pytest.mark.parametrize("cols", [70, 4096, 40000])
+@dtypes
+@pytest.mark.parametrize("op", OPS)
+def test_replayed_calls_match_the_general_path(rng, op, dtype, cols):
+    """Fresh arrays of one description: the first call records, later ones replay;
+    every result matches the reference and, bit for bit, the general path."""
+    pks = PKINDS.get(op, [None])
+    pk = pks[cols % len(pks)]
+    before = gpu.REPLAY.replayed
+    for _ in range(4):
+        d = make_case(op, rng, (5, cols), dtype, pk)
+        got, _, raw = call_dev(op, d, dtype)
+        check_op(op, d, got)
+        want, _, _ = _general(call_dev, op, d, dtype)
+        for g, w in zip(got, want):
+            if w is None:
+                assert g is None
+            else:
+                assert_bits_equal(g, w, f"{op} replayed vs general")
+    assert gpu.REPLAY.replayed >= before + 2, "no call was replayed"
+
+
+@needs_replay
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_replay_out_inplace_eps_and_errors(rng, dtype):
+    t = tag(dtype)
+    d = make_case("rms_norm_bwd", rng, (6, 4096), dtype, "x")
+    D = {k: dev(v) for k, v in d.items()}
+    # out= given: results land in (and are) the caller's buffer, every time
+    for _ in range(3):
+        o = cuda.device_array_like(D["x"])
+        y, rstd = nf.rms_norm_fwd(D["x"], D["weight"], out=o, dtype=t)
+        assert y is o
+        check_op("rms_norm_fwd", dict(x=d["x"], weight=d["weight"]),
+                 (host(o, dtype), host(rstd, F32)))
+    # eps is a value, not part of the description
+    for eps in (1e-6, 0.5, 3.0):
+        y, rstd = nf.rms_norm_fwd(D["x"], D["weight"], eps, dtype=t)
+        _, want = ref.rms_norm_fwd(d["x"], d["weight"], eps)
+        assert_close(host(rstd, F32), want, scale=want, dtype=F32)
+    # in place over dy, replayed: bit-identical to a separate buffer
+    want, _, _ = _general(call_dev, "rms_norm_bwd", d, dtype)
+    for _ in range(3):
+        dy = dev(d["dy"])
+        dx, dw = nf.rms_norm_bwd(dy, D["x"], D["weight"], D["rstd"], out=dy, dtype=t)
+        assert dx is dy
+        assert_bits_equal(host(dy, dtype), want[0], "in place, replayed")
+        assert_bits_equal(host(dw, d["weight"].dtype), want[1], "dweight, replayed")
+    # a description that was replayed still rejects bad calls
+    x = D["x"]
+    with pytest.raises(ValueError, match="out"):
+        nf.rms_norm_fwd(x, D["weight"], out=x, dtype=t)
+    with pytest.raises(ValueError, match="eps"):
+        nf.rms_norm_fwd(x, D["weight"], -1.0, dtype=t)
+    with pytest.raises(TypeError, match="eps"):
+        nf.rms_norm_fwd(x, D["weight"], True, dtype=t)
+    # dy and out: rows 0-5 and 1-6 of one buffer (each of the replayed description)
+    big = cuda.device_array((7, 4096), D["x"].dtype)
+    big[:6].copy_to_device(D["dy"])
+    for _ in range(2):
+        nf.rms_norm_bwd(big[:6], x, D["weight"], D["rstd"], out=big[:6], dtype=t)
+    with pytest.raises(ValueError, match="overlaps"):
+        nf.rms_norm_bwd(big[:6], x, D["weight"], D["rstd"], out=big[1:], dtype=t)
+
+
+@needs_replay
+def test_replay_streams_and_scratch_growth(rng):
+    """Recordings are per stream; a scratch buffer that grew meanwhile is found anew."""
+    s1, s2 = cuda.stream(), cuda.stream()
+    for cols in (4096, 20000, 4096):          # 20000 grows the partial-rows scratch
+        d = make_case("layer_norm_bwd", rng, (300, cols), F32, ("f32", "f32"))
+        want, _, _ = _general(call_dev, "layer_norm_bwd", d, F32)
+        for s in (s1, s2, s1, int(s2.handle)):
+            got, _, _ = call_dev("layer_norm_bwd", d, F32, stream=s)
+            cuda.synchronize()
+            for g, w in zip(got, want):
+                assert_bits_equal(g, w, f"stream {s}, cols {cols}")
+
+
+@needs_replay
+def test_replay_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    x = torch.randn(64, 1024, device="cuda")
+    w = torch.randn(1024, device="cuda")
+    st = torch.cuda.current_stream()
+    for _ in range(4):
+        x.normal_()
+        y, mean, rstd = nf.layer_norm_fwd(x, w, None, stream=st)
+        want = torch.nn.functional.layer_norm(x, (1024,), w, eps=1e-5)
+        got = torch.as_tensor(y, device="cuda")
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):              # tensors reporting another stream
+        x2 = torch.randn(64, 1024, device="cuda")
+        y2, _, _ = nf.layer_norm_fwd(x2, w, None, stream=side)
+        side.synchronize()
+        assert torch.allclose(torch.as_tensor(y2, device="cuda"),
+                              torch.nn.functional.layer_norm(x2, (1024,), w, eps=1e-5),
+                              atol=1e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------- hardware
 @pytest.mark.skipif(SIM or not os.environ.get("NUMBA_FUSED_GPU_BIG"),
                     reason="real GPU with NUMBA_FUSED_GPU_BIG=1 (needs ~10 GB)")

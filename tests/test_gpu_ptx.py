@@ -254,3 +254,36 @@ def test_compiles_where_numpy_has_no_row_stack():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
+class _CAI:
+    def __init__(self, shape, typestr="<f4", strides=None, ptr=4096, stream=None, mask=None,
+                 readonly=False):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "version": 3,
+                                         "data": (ptr, readonly), "strides": strides,
+                                         "stream": stream, "mask": mask}
+
+
+def test_replay_describes_cuda_array_interfaces_without_a_driver():
+    """gpu.Replay's view of CAI arguments (the part that needs no GPU): extents,
+    alignment, and the cases left to the general path (mask, a producer stream other
+    than the launch stream, empty arrays)."""
+    r = gpu.REPLAY
+    assert r is not None
+    desc, ptr, lo, hi, ro = r._arg(_CAI((3, 5)), 0)
+    assert (ptr, lo, hi, ro) == (4096, 4096, 4096 + 60, False)
+    assert desc[2] == (20, 4) and desc[4] is True          # C strides, 16-byte aligned
+    assert r._arg(_CAI((3, 5), ptr=4100), 0)[0][4] is False
+    _, _, lo, hi, _ = r._arg(_CAI((3, 5), strides=(-20, 4), ptr=4096 + 40), 0)
+    assert (lo, hi) == (4096, 4096 + 60)                   # negative row stride
+    assert r._arg(_CAI((3, 5), stream=1), 0)[1] == 4096    # 1: the legacy default stream
+    assert r._arg(_CAI((3, 5), stream=7), 7)[1] == 4096
+    assert r._arg(_CAI((3, 5), stream=7), 0) is False      # numba would synchronize
+    assert r._arg(_CAI((3, 5), mask=(0, False)), 0) is False
+    assert r._arg(_CAI((0, 5)), 0) is False
+    assert r._arg(None, 0) is None
+    # host arrays never reach the driver: the general path takes (and checks) them
+    x = np.ones((2, 3), np.float32)
+    assert r.call(gpu._dispatch.softmax_fwd, (x,), gpu._NO_EPS, -1, None, None, None) is None
+    assert r.call(gpu._dispatch.softmax_fwd, ([1.0],), gpu._NO_EPS, -1, None, None,
+                  None) is None
