@@ -36,16 +36,17 @@ Kernel design (memory roofline):
   docstring); kernels are compiled once per (op, storage dtype, configuration),
   never per shape: the configuration set is small and fixed.
 
-Known limits (measured or to be measured on hardware, see benchmarks/gpu_check.sh):
-rows longer than the register cache (forward > 16,384 columns, backward always) are
-re-read in a second pass, from L2 while a wave's rows fit in it (8192 x 32768 bf16:
-~17 MB) and from DRAM beyond (1024 x 262144: 1 MB rows); backward partial rows that
-do not fit registers (> 8,192 columns with weights) are read-modify-written per row,
-L2-resident up to ~32K columns. Without thread-block clusters (quack's approach for
-262K columns) the 262,144-column backward cannot reach the 70% target. Per-call host
-work (argument checks, views, the numba launch) is tens of microseconds; kernels
-shorter than that are host-bound (gpu_bench.py flags it). Negative strides on device
-arrays are untested.
+Known limits (measured on an H200, 2026-12-04, benchmarks/RESULTS.md "GPU"): float32
+rows in registers run at the DRAM roofline; bfloat16 rows take as long as float32 ones
+(latency-bound: 56-63 registers a thread cap occupancy at 50%, and a thread holds 16
+elements, i.e. half the bytes); rows longer than the register cache (forward > 16,384
+columns, backward always) are re-read in a second pass, from L2 while a wave's rows fit
+in it and from DRAM beyond; backward partial rows that do not fit registers (> 8,192
+columns with weights) are read-modify-written per row in L2 (8192 x 32768 bf16
+LayerNorm backward: 7% of the copy roofline). Without thread-block clusters (quack's
+approach for 262K columns) the 262,144-column backward cannot reach the 70% target.
+Per-call host work: see ``Replay`` (the general path costs hundreds of microseconds).
+Negative strides on device arrays are untested.
 
 Device context (``DEVICE``): wraps ``__cuda_array_interface__`` objects (numba
 device arrays, CuPy arrays, torch CUDA tensors) and simulator arrays. Results are
