@@ -194,7 +194,8 @@ def build_parser():
     b.add_argument("--markdown", action="store_true", help="print a Markdown table")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     w = sub.add_parser("warmup", help="compile (or load from cache) every CPU kernel "
-                                      "and report the time")
+                                      "and report the time (the parallel kernels are "
+                                      "not cached: compiled for this process)")
     w.add_argument("--dtypes", type=_dtypes, default=None, metavar="LIST",
                    help="dtypes to compile (default: all supported)")
     return p

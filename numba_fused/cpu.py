@@ -727,9 +727,20 @@ def _build(loop):
 
     ``loop`` is referenced in every body on purpose: numba's cache key hashes
     the closure cells, so the two builds get distinct cache entries.
+
+    Only the serial build is cached on disk. The parallel build loaded from
+    numba's cache computed other bits than the same build compiled in the process
+    (and than the serial build): 1 ulp on some rows of the softmax and the
+    pipelined norm forwards (2026-12-04, this project's Xeon; numba's parfor code
+    links its own copies of the reductions, whose reassociated sums the cached
+    object code vectorized differently -- the mechanism was not pinned down).
+    Compiled in each process, it matches the serial build bit for bit
+    (tests/test_runtime.py::test_parallel_bits_equal_serial_compiled_or_cached);
+    the cost is 1-4 s of compile at the first parallel call of each kernel and
+    dtype in a process.
     """
     parallel = loop is prange
-    opts = dict(parallel=parallel, cache=True, nogil=True, error_model='numpy')
+    opts = dict(parallel=parallel, cache=not parallel, nogil=True, error_model='numpy')
 
     @njit(**opts)
     def softmax_fwd(x, y):
@@ -1177,7 +1188,9 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
 
 def warmup(dtypes=None, verbose=False):
     """Compile (or load from the on-disk cache) every CPU kernel for every dtype,
-    parameter dtype and layout the dispatcher produces for contiguous inputs.
+    parameter dtype and layout the dispatcher produces for contiguous inputs (the
+    parallel builds are never cached: see ``_build``; warming them serves this
+    process).
     Returns {"op/direction/dtype/param-dtype": seconds}."""
     import numba_fused as nf
     from . import _dtypes as D

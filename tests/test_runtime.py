@@ -184,3 +184,44 @@ def test_float32_use_does_not_import_ml_dtypes():
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+_SERIAL_PARALLEL_CHILD = textwrap.dedent("""
+    import sys, numpy as np, numba_fused as nf
+    from numba_fused import cpu
+    rng = np.random.default_rng(7)
+    out = {}
+    for shape in ((64, 1000), (40, 1000)):          # pipelined, row by row
+        x = (2 * rng.standard_normal(shape)).astype(np.float32)
+        w = (1 + 0.1 * rng.standard_normal(shape[1])).astype(np.float32)
+        for mode in sys.argv[1].split(","):
+            with cpu.forced(mode == "parallel"):
+                r = (nf.softmax_fwd(x), nf.rms_norm_fwd(x, w)[0],
+                     nf.layer_norm_fwd(x, w, w)[0])
+            out.setdefault(shape, {})[mode] = b"".join(a.tobytes() for a in r)
+    np.save(sys.argv[2], np.array([out[s][m] for s in sorted(out) for m in sorted(out[s])]))
+""")
+
+
+def test_parallel_bits_equal_serial_compiled_or_cached(tmp_path):
+    """A row's bits do not depend on the build (serial or parallel) nor on whether
+    the process compiled the kernels or loaded them from the on-disk cache. (Seen
+    2026-12-04: parallel builds loaded from numba's cache gave the forwards 1 ulp
+    apart on some rows from the serial and the freshly compiled parallel builds;
+    the parallel builds are no longer cached.) Process 1 compiles the serial
+    kernels, process 2 loads them and compiles the parallel ones, process 3 loads
+    what can be loaded."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    runs = []
+    for k, modes in enumerate(("serial", "parallel,serial", "parallel,serial")):
+        f = tmp_path / f"r{k}.npy"
+        p = subprocess.run([sys.executable, "-c", _SERIAL_PARALLEL_CHILD, modes, str(f)],
+                           env=env, capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(np.load(f))
+    serial = runs[0]                         # [shape0 serial, shape1 serial]
+    for k in (1, 2):                          # [s0 parallel, s0 serial, s1 parallel, ...]
+        for s in range(2):
+            assert runs[k][2 * s + 1] == serial[s], f"process {k + 1}: serial bits moved"
+            assert runs[k][2 * s] == serial[s], f"process {k + 1}: parallel != serial"
