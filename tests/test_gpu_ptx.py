@@ -287,3 +287,107 @@ def test_replay_describes_cuda_array_interfaces_without_a_driver():
     assert r.call(gpu._dispatch.softmax_fwd, (x,), gpu._NO_EPS, -1, None, None, None) is None
     assert r.call(gpu._dispatch.softmax_fwd, ([1.0],), gpu._NO_EPS, -1, None, None,
                   None) is None
+
+
+class _FakeDev:
+    """Stands in for a numba device array in the replay-plan test: shape, strides,
+    dtype and an address, nothing on a device."""
+
+    def __init__(self, ptr, shape, dtype=np.float32, strides=None):
+        import types as pytypes
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.strides = strides or tuple(
+            int(np.prod(shape[k + 1:])) * self.dtype.itemsize for k in range(len(shape)))
+        self.size = int(np.prod(shape))
+        self.itemsize = self.dtype.itemsize
+        self.ptr = ptr
+        self.device_ctypes_pointer = pytypes.SimpleNamespace(value=ptr)
+        self.gpu_data = pytypes.SimpleNamespace(device_ctypes_pointer=self.device_ctypes_pointer)
+        self.stream = 0
+
+    def is_c_contiguous(self):
+        return True
+
+
+class _FakeKernel:
+    """numba-cuda's _Kernel as the replay plan uses it: argument_types and the
+    argument words of _prepare_args (meminfo, parent, size, itemsize, data, shape...,
+    strides... per array; a ctypes double per float64)."""
+    cooperative = False
+
+    def __init__(self, *argtypes):
+        import types as pytypes
+        self.argument_types = argtypes
+        self._codelibrary = pytypes.SimpleNamespace(
+            get_cufunc=lambda: pytypes.SimpleNamespace(kernel=self))
+
+    def _prepare_args(self, ty, v, stream, retr, words):
+        import ctypes
+        if isinstance(ty, types.Array):
+            words += [0, 0, v.size, v.itemsize, v.ptr, *v.shape, *v.strides]
+        else:
+            words.append(ctypes.c_double(v))
+
+
+def test_replay_plan_patches_addresses_without_a_driver(monkeypatch):
+    """gpu.Replay's record -> plan -> replay on stand-ins: every array argument of
+    every recorded launch is traced to a call argument, a fresh output or a scratch
+    buffer (with its offset), eps is patched by value, and a replay launches the same
+    words with the new call's addresses; unknown buffers and temporaries are refused."""
+    import types as pytypes
+    r = gpu.Replay()
+    monkeypatch.setattr(r, "_dna", _FakeDev)
+    monkeypatch.setattr(r, "_config", lambda **kw: kw)
+    launched = []
+    monkeypatch.setattr(r, "_launch", lambda stream, config, kernel, *words:
+                        launched.append((stream, kernel, words)))
+    f32_3d, f32_1d = types.float32[:, :, ::1], types.float32[::1]
+    # a norm-like call: x (rows, cols) and weight in; out= given; rstd allocated;
+    # the main kernel writes partials to a scratch buffer, the second reduces them
+    rows, cols = 6, 8
+    x, w, out = (_FakeDev(1 << 20, (rows, cols)), _FakeDev(2 << 20, (cols,)),
+                 _FakeDev(3 << 20, (rows, cols)))
+    rstd = _FakeDev(4 << 20, (rows,))
+    scratch = _FakeDev(5 << 20, (4, cols))
+    dweight = _FakeDev(6 << 20, (cols,))
+    infos = [r._arg(a, 0) for a in (x, w, out)]
+    rec = gpu._Recorder()
+    rec.allocs += [rstd, dweight]
+    rec.scratch.append((("key",), 4 * cols, np.float32, 0, scratch.ptr))
+    cfg = pytypes.SimpleNamespace(griddim=(3, 1, 1), blockdim=(32, 1, 1), sharedmem=0,
+                                  stream="S")
+    main = _FakeKernel(f32_3d, f32_1d, types.float64, f32_3d, f32_1d, types.float32[:, ::1])
+    red = _FakeKernel(types.float32[:, ::1], f32_1d)
+    x3 = _FakeDev(x.ptr, (1, rows, cols))
+    out3 = _FakeDev(out.ptr + 0, (1, rows, cols))
+    part = _FakeDev(scratch.ptr + 2 * cols * 4, (2, cols))       # an offset view
+    rec.launches.append((main, cfg, (x3, w, 1e-5, out3, rstd, part)))
+    rec.launches.append((red, cfg, (part, dweight)))
+    plan = r._plan(rec, (out, rstd, dweight), (x, w, out), infos, 1e-5)
+    assert plan is not None
+    assert plan.results == [("arg", 2), ("new", 0), ("new", 1)]
+    # replay with other addresses and another eps
+    x2, w2, o2 = (_FakeDev(11 << 20, (rows, cols)), _FakeDev(12 << 20, (cols,)),
+                  _FakeDev(13 << 20, (rows, cols)))
+    fresh = iter([_FakeDev(14 << 20, (rows,)), _FakeDev(16 << 20, (cols,))])
+    monkeypatch.setattr(gpu, "cuda", pytypes.SimpleNamespace(
+        device_array=lambda shape, dtype, stream=0: next(fresh)))
+    base2 = _FakeDev(15 << 20, (4 * cols,))
+    monkeypatch.setattr(gpu, "_scratch_base", lambda key, n, dtype, stream: base2)
+    res = r._replay(plan, (x2, w2, o2), [r._arg(a, 0) for a in (x2, w2, o2)],
+                    0.25)
+    assert res[0] is o2 and res[1].ptr == 14 << 20 and res[2].ptr == 16 << 20
+    (s1, k1, m), (s2, k2, d) = launched
+    assert (s1, k1, s2, k2) == ("S", main, "S", red)
+    # main's words: x3 (11 words, data at 4), w (7, data at 15), eps (18), out3 (data
+    # at 23), rstd (data at 34), part (data at 41)
+    addrs = [m[4], m[15], m[23], m[34], m[41]]
+    assert addrs == [x2.ptr, w2.ptr, o2.ptr, 14 << 20, base2.ptr + 2 * cols * 4]
+    assert m[18].value == 0.25
+    assert [d[4], d[13]] == [base2.ptr + 2 * cols * 4, 16 << 20]
+    # an address that maps to nothing known, or an allocation not returned: refused
+    rec.launches.append((red, cfg, (_FakeDev(9 << 20, (2, cols)), dweight)))
+    assert r._plan(rec, (out, rstd, dweight), (x, w, out), infos, 1e-5) is None
+    rec.launches.pop()
+    rec.allocs.append(_FakeDev(10 << 20, (rows,)))
+    assert r._plan(rec, (out, rstd, dweight), (x, w, out), infos, 1e-5) is None
