@@ -1579,6 +1579,10 @@ class _Plan:
 _MAX_PLANS = 4096
 
 
+class _NothingLaunched(Exception):
+    """A replay failed before its first launch went out."""
+
+
 class Replay:
     """Per-call host work for CUDA arrays, cut to what changes between calls.
 
@@ -1723,8 +1727,17 @@ class Replay:
         if plan is not None:
             if plan is False:
                 return None               # recorded before, not replayable
+            try:
+                res = self._replay(plan, objs, infos, eps)
+            except _NothingLaunched:
+                # a stale recording (say, its CUDA context was destroyed and a new one
+                # got the same handle) fails at its first launch, before any work:
+                # forget them all; the general path does the call and reports any
+                # real error
+                self.plans.clear()
+                return None
             self.replayed += 1
-            return (self._replay(plan, objs, infos, eps),)
+            return (res,)
         return (self._record(key, fn, inputs, eps, out, dtype, stream, objs, infos),)
 
     def _record(self, key, fn, inputs, eps, out, dtype, stream, objs, infos):
@@ -1824,11 +1837,16 @@ class Replay:
                 "new": [a.gpu_data.device_ctypes_pointer.value for a in news],
                 "scratch": [_dptr(_scratch_base(key, n, dtype, stream))
                             for key, n, dtype, stream in plan.scratch]}
-        for stream, config, kernel, words, patches in plan.launches:
+        for n, (stream, config, kernel, words, patches) in enumerate(plan.launches):
             words = list(words)
             for at, kind, k, offset in patches:
                 words[at] = ctypes.c_double(eps) if kind == "eps" else addr[kind][k] + offset
-            self._launch(stream, config, kernel, *words)
+            try:
+                self._launch(stream, config, kernel, *words)
+            except Exception as e:
+                if n:
+                    raise                 # work is under way (out= may be dy): report
+                raise _NothingLaunched() from e
         res = tuple(None if s is None else (objs[s[1]] if s[0] == "arg" else news[s[1]])
                     for s in plan.results)
         return res[0] if plan.single else res

@@ -391,3 +391,31 @@ def test_replay_plan_patches_addresses_without_a_driver(monkeypatch):
     rec.launches.pop()
     rec.allocs.append(_FakeDev(10 << 20, (rows,)))
     assert r._plan(rec, (out, rstd, dweight), (x, w, out), infos, 1e-5) is None
+
+
+def test_replay_reports_a_failure_after_work_went_out(monkeypatch):
+    """A replay whose first launch fails leaves the call to the general path (nothing
+    ran); one that fails later raises (an in-place call may have overwritten dy)."""
+    r = gpu.Replay()
+    plan = gpu._Plan()
+    plan.news, plan.scratch, plan.results, plan.single = [], [], [("arg", 0)], True
+    plan.launches = [("S", {}, "k1", [0], []), ("S", {}, "k2", [0], [])]
+    x = _FakeDev(1 << 20, (2, 4))
+    info = [(None, x.ptr, x.ptr, x.ptr + 32, False)]
+    calls = []
+
+    def fail_on(name):
+        def launch(stream, config, kernel, *words):
+            calls.append(kernel)
+            if kernel == name:
+                raise RuntimeError("CUDA_ERROR_INVALID_HANDLE")
+        return launch
+    monkeypatch.setattr(r, "_launch", fail_on("k1"))
+    with pytest.raises(gpu._NothingLaunched):
+        r._replay(plan, (x,), info, gpu._NO_EPS)
+    monkeypatch.setattr(r, "_launch", fail_on("k2"))
+    with pytest.raises(RuntimeError, match="INVALID_HANDLE"):
+        r._replay(plan, (x,), info, gpu._NO_EPS)
+    monkeypatch.setattr(r, "_launch", lambda *a: calls.append(a[2]))
+    assert r._replay(plan, (x,), info, gpu._NO_EPS) is x
+    assert calls == ["k1", "k1", "k2", "k1", "k2"]
