@@ -1120,11 +1120,12 @@ def _scratch_base(key, n, dtype, stream):
     return buf
 
 
-def _dummy(dtype):
-    key = ("dummy", np.dtype(dtype).str)
+def _dummy(dtype, ndim=1):
+    """A one-element stand-in for an absent array argument (kept for the process)."""
+    key = ("dummy", np.dtype(dtype).str, ndim)
     a = _AUX.get(key)
     if a is None:
-        a = _AUX[key] = cuda.device_array(1, dtype=dtype)
+        a = _AUX[key] = cuda.device_array((1,) * ndim, dtype=dtype)
         _PERMANENT.add(_dptr(a))
     return a
 
@@ -1234,12 +1235,8 @@ class _Kernels:
         else:
             grid = _grid(rows, cfg)
         ng = grid * cfg.RPB
-        dummy2 = _AUX.get(("dummy2", acc))
-        if dummy2 is None:
-            dummy2 = _AUX[("dummy2", acc)] = cuda.device_array((1, 1), dtype=acc)
-            _PERMANENT.add(_dptr(dummy2))
-        pw = _scratch(s, 0, (ng, cols), acc) if need_dw else dummy2
-        pb = _scratch(s, 1, (ng, cols), acc) if need_db else dummy2
+        pw = _scratch(s, 0, (ng, cols), acc) if need_dw else _dummy(acc, 2)
+        pb = _scratch(s, 1, (ng, cols), acc) if need_db else _dummy(acc, 2)
         w = weight if weight is not None else _dummy(acc)
         mu = mean if mean is not None else rstd
         _launch(k, grid, cfg.tpb, s, dy, x, w, mu, rstd, dx, pw, pb)
@@ -1483,16 +1480,7 @@ class DeviceContext:
 
     @staticmethod
     def _extent(a):
-        raw = a.raw
-        lo = hi = a.ptr
-        for n, s in zip(a.shape, a.strides):
-            if n == 0:
-                return lo, lo
-            if s > 0:
-                hi += (n - 1) * s
-            else:
-                lo += (n - 1) * s
-        return lo, hi + raw.dtype.itemsize
+        return _span(a.ptr, a.shape, a.strides, a.raw.dtype.itemsize)
 
     def overlaps(self, a, b):
         """Conservative: the address ranges intersect."""
@@ -1517,6 +1505,20 @@ class DeviceContext:
         if a.dtype == D.bfloat16:
             return a.raw if a.raw.dtype == np.uint16 else a.raw.view(np.uint16)
         return a.raw
+
+
+def _span(ptr, shape, strides, itemsize):
+    """[low, high) of the addresses an array of this layout at ``ptr`` touches
+    ((ptr, ptr) when it is empty)."""
+    lo = hi = ptr
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return lo, lo
+        if s > 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return lo, hi + itemsize
 
 
 def _c_strides(shape, strides, itemsize):
@@ -1607,7 +1609,6 @@ class Replay:
         self.plans = {}
         from numba.cuda.cudadrv.devicearray import DeviceNDArray
         from numba.cuda.cudadrv.driver import Stream, binding
-        from numba.cuda.np.numpy_support import from_dtype  # noqa: F401 (import check)
         from numba.cuda._compat import CUDA_CORE_GE_1_0
         from cuda.core import launch, LaunchConfig
         self._dna, self._stream_t, self._binding = DeviceNDArray, Stream, binding
@@ -1664,13 +1665,8 @@ class Replay:
             if not math.prod(shape):
                 return False
             desc = (type(a), shape, strides, typestr, ptr % _ALIGN == 0, bool(ro))
-        lo = hi = ptr
-        for n, s in zip(shape, strides):
-            if s > 0:
-                hi += (n - 1) * s
-            else:
-                lo += (n - 1) * s
-        return desc, ptr, lo, hi + itemsize, ro
+        lo, hi = _span(ptr, shape, strides, itemsize)
+        return desc, ptr, lo, hi, ro
 
     # ---------------------------------------------------------------- call
     def call(self, fn, inputs, eps, may_be, out, dtype, stream):
@@ -1680,7 +1676,9 @@ class Replay:
             return None
         objs = inputs + (out,)
         for a in objs:      # CUDA arrays only: anything else is the general path's
+            # (the class is asked first: torch computes its interface on each access)
             if a is not None and type(a) is not self._dna \
+                    and not hasattr(type(a), "__cuda_array_interface__") \
                     and not hasattr(a, "__cuda_array_interface__"):
                 return None
         try:
