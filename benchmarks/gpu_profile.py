@@ -30,6 +30,9 @@ from numba import cuda  # noqa: E402
 import numba_fused as nf  # noqa: E402
 from numba_fused import gpu  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_bench import ours  # noqa: E402
+
 # (op, direction, dtype, rows, cols): the kernels the first hardware benchmark
 # (2026-12-04) put furthest from the copy roofline, and softmax fwd f32 at 98% as the
 # yardstick
@@ -65,24 +68,10 @@ def arrays(dtype, rows, cols, seed=0):
 
 
 def calls(op, direction, dtype, rows, cols):
-    """A zero-argument function making one public call (out= given), on fresh data."""
+    """A zero-argument function making one public call (out= given), on fresh data:
+    gpu_bench's own call of the op, on the default stream."""
     x, dy, w, b, tag = arrays(dtype, rows, cols)
-    out = cuda.device_array_like(x)
-    kw = dict(dtype=tag)
-    if op == "softmax":
-        if direction == "fwd":
-            return lambda: nf.softmax_fwd(x, out=out, **kw)
-        y = nf.softmax_fwd(x, **kw)
-        return lambda: nf.softmax_bwd(y, dy, out=out, **kw)
-    if op == "rms_norm":
-        if direction == "fwd":
-            return lambda: nf.rms_norm_fwd(x, w, out=out, **kw)
-        _, rstd = nf.rms_norm_fwd(x, w, **kw)
-        return lambda: nf.rms_norm_bwd(dy, x, w, rstd, out=out, **kw)
-    if direction == "fwd":
-        return lambda: nf.layer_norm_fwd(x, w, b, out=out, **kw)
-    _, mean, rstd = nf.layer_norm_fwd(x, w, b, **kw)
-    return lambda: nf.layer_norm_bwd(dy, x, w, b, mean, rstd, out=out, **kw)
+    return ours(op, direction, dict(x=x, dy=dy, weight=w, bias=b), tag, None)[0]
 
 
 def host_us(fn, n):
