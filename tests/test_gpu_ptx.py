@@ -199,9 +199,12 @@ def test_sass_no_spills(case):
 
 # ------------------------------------------------- host-side logic, no driver
 class _FakeCAI:
-    def __init__(self, typestr, shape=(4,)):
+    """A bare ``__cuda_array_interface__``; ``fields`` add or replace its keys
+    (strides, stream, mask, data ...)."""
+
+    def __init__(self, typestr, shape=(4,), **fields):
         self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
-                                         "data": (0, False), "version": 3}
+                                         "data": (0, False), "version": 3, **fields}
 
 
 def test_param_tag_reads_16_bit_params_as_x_dtype():
@@ -256,12 +259,8 @@ def test_compiles_where_numpy_has_no_row_stack():
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
 
 
-class _CAI:
-    def __init__(self, shape, typestr="<f4", strides=None, ptr=4096, stream=None, mask=None,
-                 readonly=False):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "version": 3,
-                                         "data": (ptr, readonly), "strides": strides,
-                                         "stream": stream, "mask": mask}
+def _CAI(shape, ptr=4096, **fields):
+    return _FakeCAI("<f4", shape, data=(ptr, False), **fields)
 
 
 def test_replay_describes_cuda_array_interfaces_without_a_driver():
