@@ -365,3 +365,20 @@ def test_a_raising_kernel_fails_the_run_but_not_the_others(capsys, monkeypatch):
     assert "numba_fused FAILED: cpu softmax bwd float32 8x64: RuntimeError: kernel exploded" in out
     head, rows = _table_cells(out)
     assert [(r[1], r[2]) for r in rows] == [("softmax", "fwd")]
+
+
+def test_copy_roofline_copies_with_ordinary_stores():
+    """The CPU roofline copies correctly, and as a load/store loop: a memcpy call
+    (what LLVM makes of ``dst[i] = src[i]``) switches to non-temporal stores
+    above a glibc size threshold, and the roofline changed kind with the size."""
+    kern = B.make_copy_kernel(cache=False)
+    rng = np.random.default_rng(7)
+    src = rng.integers(1, 2 ** 62, 4099, dtype=np.int64)
+    dst = np.zeros_like(src)
+    kern(src, dst, np.int64(0))
+    assert np.array_equal(dst, src)
+    asm = kern.inspect_asm(kern.signatures[0])
+    assert "xor" in asm and "memcpy" not in asm and "movnt" not in asm
+    imp = B.cpu_copy_impl(1 << 16, rng)
+    imp.fn()
+    assert imp.bytes == 1 << 16
