@@ -698,8 +698,9 @@ def _pipeline_chunks(rows, parallel):
 
 
 #: norm backwards with params pair rows from this many columns on (see _row_pairs;
-#: at 256 columns pairs measured 0.89-0.96x)
+#: at 256 columns pairs measured 0.89-0.96x), float16/bfloat16 from HALF_PAIR_COLS
 PAIR_COLS = 1024
+HALF_PAIR_COLS = 1 << 12
 
 
 def _row_pairs(x, wparts, bparts):
@@ -708,18 +709,22 @@ def _row_pairs(x, wparts, bparts):
 
 @overload(_row_pairs)
 def _row_pairs_impl(x, wparts, bparts):
-    """Whether a norm backward runs its store passes on pairs of rows (a constant
-    per signature): with dweight/dbias partials, in float32/float64. Measured
-    2026-12-04 (benchmarks/ab.py, 1024-262144 columns): layer_norm bwd float32
-    1.02-1.60x, float64 0.99-1.34x; rms_norm bwd float32 0.96-1.20x, float64
-    1.02-1.18x. bfloat16 layer_norm bwd gained 1.11-1.25x in cache but lost
-    0.80-0.90x at 32768-65536 rows of 1024 columns, so halves keep one row per pass.
+    """Whether a norm backward runs its store passes on pairs of rows: with
+    dweight/dbias partials, from PAIR_COLS columns in float32/float64 and from
+    HALF_PAIR_COLS in float16/bfloat16 (a function of the signature and the shape).
+    Measured 2026-12-04 (benchmarks/ab.py, 1024-262144 columns): layer_norm bwd
+    float32 1.02-1.60x, float64 0.99-1.34x; rms_norm bwd float32 0.96-1.20x,
+    float64 1.02-1.18x. bfloat16 layer_norm bwd gained 1.11-1.25x in cache but
+    lost 0.80-0.90x at 32768-65536 rows of 1024 columns, and was even at 2048
+    columns (0.98-1.05x); from 4096 columns the halves gained (float16/bfloat16,
+    4096x4096 and 16x262144: rms_norm bwd 1.06-1.10x, layer_norm bwd 1.13-1.17x;
+    bfloat16 1024x8192 1.09/1.15x, 256x16384 1.20/1.26x).
     The pair stores depend on ``_no_alias``: without it the fused loop measured
     0.21-0.82x (not investigated; likely too many run-time overlap checks for LLVM
     to vectorize it)."""
-    pairs = (x.dtype in (types.float32, types.float64)
-             and not (isinstance(wparts, types.NoneType) and isinstance(bparts, types.NoneType)))
-    return lambda x, wparts, bparts: pairs
+    pairs = not (isinstance(wparts, types.NoneType) and isinstance(bparts, types.NoneType))
+    floor = PAIR_COLS if x.dtype in (types.float32, types.float64) else HALF_PAIR_COLS
+    return lambda x, wparts, bparts: pairs and x.shape[2] >= floor
 
 
 def _build(loop):
@@ -805,7 +810,7 @@ def _build(loop):
             part = _row_of(dweight_parts, k)
             start = k * rows // chunks
             end = (k + 1) * rows // chunks
-            if not (_row_pairs(x, dweight_parts, None) and x.shape[2] >= PAIR_COLS):
+            if not _row_pairs(x, dweight_parts, None):
                 for r in range(start, end):
                     _rms_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, rstd[r],
                                       _row_at(dx, r), part, r == start)
@@ -829,7 +834,7 @@ def _build(loop):
             bpart = _row_of(dbias_parts, k)
             start = k * rows // chunks
             end = (k + 1) * rows // chunks
-            if not (_row_pairs(x, dweight_parts, dbias_parts) and x.shape[2] >= PAIR_COLS):
+            if not _row_pairs(x, dweight_parts, dbias_parts):
                 for r in range(start, end):
                     _layer_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, mean[r],
                                         rstd[r], _row_at(dx, r), wpart, bpart, r == start)

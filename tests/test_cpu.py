@@ -910,6 +910,78 @@ def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind, shape
         assert_bits_equal(a, c, "layer_norm_fwd across thread counts")
 
 
+def _param_grads_in_kernel_order(op, dy, x, rstd, mean, pdtype, pairs):
+    """dweight (and dbias) as the kernels add them, replayed in NumPy: per chunk
+    of rows (cpu.param_chunks), a partial row in the accumulator type that the
+    chunk's first row or pair assigns and the others add to, a pair adding
+    (a0 + a1) and a chunk's odd last row alone; then the partials summed in chunk
+    order, rounded once to the parameter's dtype. Products and sums are rounded
+    to the accumulator type one at a time (the store loops have no reassociation
+    and no contraction), so the bits must match exactly."""
+    at = acc_dtype(x.dtype)
+    rows, cols = x.shape
+    d = dy.astype(at)
+    xa = x.astype(at)
+    centered = xa if mean is None else xa - mean.astype(at)[:, None]
+    terms = [d * (centered * rstd.astype(at)[:, None])]
+    if op == "layer_norm_bwd":
+        terms.append(d)
+    chunks = cpu.param_chunks(rows, cols)
+    grads = []
+    for term in terms:
+        partials = []
+        for k in range(chunks):
+            start, end = k * rows // chunks, (k + 1) * rows // chunks
+            step = 2 if pairs else 1
+            part = None
+            for r in range(start, end - (end - start) % step if pairs else end, step):
+                v = term[r] + term[r + 1] if pairs else term[r]
+                part = v if part is None else part + v
+            if pairs and (end - start) % 2:
+                part = term[end - 1] if part is None else part + term[end - 1]
+            partials.append(part)
+        total = partials[0].copy()
+        for part in partials[1:]:
+            total = total + part
+        grads.append(total.astype(pdtype))
+    return grads
+
+
+@pytest.mark.parametrize("cols", [1024, cpu.HALF_PAIR_COLS, 3 * cpu.HALF_PAIR_COLS + 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
+def test_param_grads_bits_follow_the_documented_order(rng, restore_threads, op, dtype, cols):
+    """dweight/dbias bit for bit as documented (row by row below the row-pair
+    floors, pairs above: cpu.PAIR_COLS for float32/float64, cpu.HALF_PAIR_COLS
+    for float16/bfloat16), serial and parallel, with odd rows per chunk; dx
+    matches the reference and the in-place call bit for bit."""
+    rows = {1024: 133, cpu.HALF_PAIR_COLS: 165}.get(cols, 101)   # 3-6 rows per chunk
+    assert rows // cpu.param_chunks(rows, cols) >= 3
+    x = draw(rng, (rows, cols), dtype, loc=0.3)
+    dy = draw(rng, (rows, cols), dtype)
+    w = draw_param(rng, cols, "x", dtype)
+    b = draw_param(rng, cols, "x", dtype, loc=0.0)
+    if op == "rms_norm_bwd":
+        _, rstd = nf.rms_norm_fwd(x, w)
+        mean = None
+        d = dict(dy=dy, x=x, weight=w, rstd=rstd)
+    else:
+        _, mean, rstd = nf.layer_norm_fwd(x, w, b)
+        d = dict(dy=dy, x=x, weight=w, bias=b, mean=mean, rstd=rstd)
+    floor = cpu.HALF_PAIR_COLS if is_half(dtype) else cpu.PAIR_COLS
+    expected = _param_grads_in_kernel_order(op, dy, x, rstd, mean, dtype, cols >= floor)
+    for parallel in (False, True):
+        with cpu.forced(parallel):
+            got = call_op(op, d, out=poisoned(x.shape, dtype))
+            inplace = dy.copy()
+            got_inplace = call_op(op, dict(d, dy=inplace), out=inplace)
+        for g, e, name in zip(got[1:], expected, ("dweight", "dbias")):
+            assert_bits_equal(g, e, f"{name}, parallel={parallel}")
+        for g, e in zip(got_inplace, got):
+            assert_bits_equal(g, e, "in place")
+    check_op(op, d, got)
+
+
 @pytest.mark.parametrize("eps", [0.0, 1e-2, 1.0, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_eps_values(rng, dtype, eps):
