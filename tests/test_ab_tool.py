@@ -30,3 +30,20 @@ def test_ab_rejects_unknown_op():
         [sys.executable, os.path.join(ROOT, "benchmarks", "ab.py"), "--ops", "softmax"],
         capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--ops: unknown ['softmax']" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("git") is None
+                    or not os.path.isdir(os.path.join(ROOT, ".git")),
+                    reason="needs a git checkout")
+def test_ab_evict_option():
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "ab.py"), "--base", "HEAD",
+         "--ops", "softmax_fwd", "--shapes", "4x64", "--dtypes", "float32",
+         "--rounds", "2", "--evict", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "1 MiB written before each" in r.stdout
+    assert len([l for l in r.stdout.splitlines() if "median ratio" in l]) == 1
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "ab.py"), "--evict", "-1"],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--evict" in r.stderr
