@@ -672,13 +672,57 @@ def _sum_partials(partials, out):
     Accumulated a partial row at a time: the same additions in the same order as
     a per-column loop, but each pass is a contiguous loop LLVM vectorizes (the
     column-strided form cost 1.7 ns per partial element, measured)."""
-    total = partials[0].copy()
+    _sum_columns(partials, out, 0, partials.shape[1])
+
+
+@njit(cache=True, nogil=True)
+def _sum_columns(partials, out, lo, hi):
+    """``_sum_partials`` on columns lo..hi-1."""
+    total = partials[0, lo:hi].copy()
     for k in range(1, partials.shape[0]):
-        row = partials[k]
-        for c in range(partials.shape[1]):
+        row = partials[k, lo:hi]
+        for c in range(hi - lo):
             total[c] += row[c]
-    for c in range(partials.shape[1]):
-        out[c] = narrow(total[c], out)
+    for c in range(hi - lo):
+        out[lo + c] = narrow(total[c], out)
+
+
+#: the parallel backwards sum their dweight/dbias partials in parallel, by blocks
+#: of SUM_BLOCK columns, from PARALLEL_SUM_ELEMS partial elements on (below, a
+#: second parallel launch costs more than it saves: ~60 us with OpenMP's
+#: passive wait policy). Each column is summed in the same order either way.
+SUM_BLOCK = 1 << 13
+PARALLEL_SUM_ELEMS = 1 << 18
+
+
+def _sum_blocks(partials):
+    raise NotImplementedError
+
+
+@overload(_sum_blocks)
+def _sum_blocks_impl(partials):
+    """Column blocks for a parallel sum of the partials: 0 for None or small ones."""
+    if isinstance(partials, types.NoneType):
+        return lambda partials: 0
+
+    def impl(partials):
+        if partials.shape[0] * partials.shape[1] < PARALLEL_SUM_ELEMS:
+            return 0
+        return (partials.shape[1] + SUM_BLOCK - 1) // SUM_BLOCK
+    return impl
+
+
+def _sum_block(partials, out, b):
+    raise NotImplementedError
+
+
+@overload(_sum_block)
+def _sum_block_impl(partials, out, b):
+    """Block b of SUM_BLOCK columns of ``_sum_partials`` (nothing for None)."""
+    if isinstance(partials, types.NoneType):
+        return lambda partials, out, b: None
+    return lambda partials, out, b: _sum_columns(
+        partials, out, b * SUM_BLOCK, min(partials.shape[1], (b + 1) * SUM_BLOCK))
 
 
 @njit(inline='always')
@@ -822,7 +866,12 @@ def _build(loop):
                 if (end - start) % 2:
                     _rms_norm_bwd_row(_row_at(dy, end - 1), _row_at(x, end - 1), weight,
                                       rstd[end - 1], _row_at(dx, end - 1), part, end - 1 == start)
-        _sum_into(dweight_parts, dweight)
+        # the partials' sum: by column blocks in parallel when there are many
+        blocks = _sum_blocks(dweight_parts) if parallel else 0
+        for b in loop(blocks):
+            _sum_block(dweight_parts, dweight, b)
+        if not blocks:
+            _sum_into(dweight_parts, dweight)
 
     @njit(**opts)
     def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
@@ -848,8 +897,13 @@ def _build(loop):
                     _layer_norm_bwd_row(_row_at(dy, end - 1), _row_at(x, end - 1), weight,
                                         mean[end - 1], rstd[end - 1], _row_at(dx, end - 1),
                                         wpart, bpart, end - 1 == start)
-        _sum_into(dweight_parts, dweight)
-        _sum_into(dbias_parts, dbias)
+        blocks = max(_sum_blocks(dweight_parts), _sum_blocks(dbias_parts)) if parallel else 0
+        for b in loop(blocks):
+            _sum_block(dweight_parts, dweight, b)
+            _sum_block(dbias_parts, dbias, b)
+        if not blocks:
+            _sum_into(dweight_parts, dweight)
+            _sum_into(dbias_parts, dbias)
 
     return dict(softmax_fwd=softmax_fwd, softmax_bwd=softmax_bwd,
                 rms_norm_fwd=rms_norm_fwd, rms_norm_bwd=rms_norm_bwd,

@@ -953,10 +953,14 @@ def _param_grads_in_kernel_order(op, dy, x, rstd, mean, pdtype, pairs):
 def test_param_grads_bits_follow_the_documented_order(rng, restore_threads, op, dtype, cols):
     """dweight/dbias bit for bit as documented (row by row below the row-pair
     floors, pairs above: cpu.PAIR_COLS for float32/float64, cpu.HALF_PAIR_COLS
-    for float16/bfloat16), serial and parallel, with odd rows per chunk; dx
-    matches the reference and the in-place call bit for bit."""
+    for float16/bfloat16), serial and parallel, with odd rows per chunk (the
+    widest shape has cpu.PARALLEL_SUM_ELEMS partial elements or more: the parallel
+    build sums them by column blocks); dx matches the reference and the in-place
+    call bit for bit."""
     rows = {1024: 133, cpu.HALF_PAIR_COLS: 165}.get(cols, 101)   # 3-6 rows per chunk
     assert rows // cpu.param_chunks(rows, cols) >= 3
+    if cols > cpu.SUM_BLOCK:
+        assert cpu.param_chunks(rows, cols) * cols >= cpu.PARALLEL_SUM_ELEMS
     x = draw(rng, (rows, cols), dtype, loc=0.3)
     dy = draw(rng, (rows, cols), dtype)
     w = draw_param(rng, cols, "x", dtype)
