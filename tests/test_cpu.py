@@ -983,6 +983,12 @@ def test_param_grads_bits_follow_the_documented_order(rng, restore_threads, op, 
             assert_bits_equal(g, e, f"{name}, parallel={parallel}")
         for g, e in zip(got_inplace, got):
             assert_bits_equal(g, e, "in place")
+        if op == "layer_norm_bwd":     # one parameter: its gradient alone, same bits
+            with cpu.forced(parallel):
+                assert_bits_equal(call_op(op, dict(d, weight=None))[2], expected[1],
+                                  "dbias without weight")
+                assert_bits_equal(call_op(op, dict(d, bias=None))[1], expected[0],
+                                  "dweight without bias")
     check_op(op, d, got)
 
 
