@@ -932,13 +932,10 @@ def _param_grads_in_kernel_order(op, dy, x, rstd, mean, pdtype, pairs):
         partials = []
         for k in range(chunks):
             start, end = k * rows // chunks, (k + 1) * rows // chunks
-            step = 2 if pairs else 1
             part = None
-            for r in range(start, end - (end - start) % step if pairs else end, step):
-                v = term[r] + term[r + 1] if pairs else term[r]
+            for r in range(start, end, 2 if pairs else 1):
+                v = term[r] + term[r + 1] if pairs and r + 1 < end else term[r]
                 part = v if part is None else part + v
-            if pairs and (end - start) % 2:
-                part = term[end - 1] if part is None else part + term[end - 1]
             partials.append(part)
         total = partials[0].copy()
         for part in partials[1:]:
