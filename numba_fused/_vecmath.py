@@ -25,6 +25,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from ._lanes import Lanes, const_like, float_intrinsic, int_like, operands, result_lanes
+
 _MAGIC32 = 12582912.0            # 1.5 * 2**23: adding it rounds to an integer
 _MAGIC64 = 6755399441055744.0    # 1.5 * 2**52
 _LOG2E = 1.4426950408889634
@@ -73,20 +75,27 @@ def _clamp(typingctx, x, lo, hi):
 
 @intrinsic
 def _clamp_below(typingctx, x, lo):
-    """max(x, lo) as one select; NaN passes through."""
-    if not (x == lo and isinstance(x, types.Float)):
+    """max(x, lo) as one select; NaN passes through. x may be lanes."""
+    lt = result_lanes(x, lo)
+    if lt is None and not (x == lo and isinstance(x, types.Float)):
         return None
 
     def codegen(context, builder, sig, args):
-        x, lo = args
+        x, lo = operands(context, builder, sig, args) if lt is not None else args
         return builder.select(builder.fcmp_ordered('<', x, lo), lo, x)
-    return x(x, x), codegen
+    return (lt or x)(x, lo), codegen
 
 
 @intrinsic
 def _fma(typingctx, a, b, c):
     """a * b + c with one rounding (llvm.fma: vfmadd on x86-64). Explicit, so the
     same bits whether numba JIT-compiles or loads cached code (unlike 'contract')."""
+    lt = result_lanes(a, b, c)
+    if lt is not None:           # lanes, scalars splatted
+        def codegen(context, builder, sig, args):
+            args = operands(context, builder, sig, args)
+            return builder.call(float_intrinsic(builder, "llvm.fma", args[0].type, 3), args)
+        return lt(a, b, c), codegen
     if not (a == b == c and isinstance(a, types.Float)):
         return None
 
@@ -102,26 +111,26 @@ def _scale_shifted_intrinsic(fty, bits, bias, magic, shift):
     """p * 2**n for n <= 0 (n held in t as in ``scale``): p * 2**(n + shift) is
     exact (a normal power of two for every n the clamp allows), then one multiply
     by 2**-shift rounds once, gradual underflow included. 5 instructions instead of
-    scale's 8; NaN p stays NaN (multiplies only)."""
+    scale's 8; NaN p stays NaN (multiplies only). p and t may be lanes."""
     magic_bits = int(np.array(magic, dtype=np.float32 if bits == 32 else np.float64)
                      .view(np.int32 if bits == 32 else np.int64))
-    llf = ir.FloatType() if bits == 32 else ir.DoubleType()
-    lli = ir.IntType(bits)
     mant = 23 if bits == 32 else 52
     down = float(2.0 ** -shift)
 
     @intrinsic
     def scale(typingctx, p, t):
-        if p != fty or t != fty:
+        vector = isinstance(p, Lanes) and p == t and p.dtype == fty
+        if not vector and (p != fty or t != fty):
             return None
 
         def codegen(context, builder, sig, args):
             p, t = args
-            e = builder.sub(builder.bitcast(t, lli),
-                            ir.Constant(lli, magic_bits - shift - bias))
-            pow2 = builder.bitcast(builder.shl(e, ir.Constant(lli, mant)), llf)
-            return builder.fmul(builder.fmul(p, pow2), ir.Constant(llf, down))
-        return fty(fty, fty), codegen
+            ity = int_like(p.type, bits)
+            e = builder.sub(builder.bitcast(t, ity),
+                            const_like(ity, magic_bits - shift - bias))
+            pow2 = builder.bitcast(builder.shl(e, const_like(ity, mant)), p.type)
+            return builder.fmul(builder.fmul(p, pow2), const_like(p.type, down))
+        return p(p, t), codegen
     return scale
 
 
@@ -203,16 +212,17 @@ def exp_nonpos_f64(x):
 
 @intrinsic
 def fmax(typingctx, a, b):
-    """IEEE-754 maximum of two floats of one type; NaN if either is NaN."""
-    if not (a == b and isinstance(a, types.Float)):
+    """IEEE-754 maximum of two floats of one type (or lanes and a scalar); NaN if
+    either is NaN."""
+    lt = result_lanes(a, b)
+    if lt is None and not (a == b and isinstance(a, types.Float)):
         return None
 
     def codegen(context, builder, sig, args):
-        ty = args[0].type
-        fn = builder.module.declare_intrinsic("llvm.maximum", [ty],
-                                              ir.FunctionType(ty, [ty, ty]))
-        return builder.call(fn, args)
-    return a(a, a), codegen
+        if lt is not None:
+            args = operands(context, builder, sig, args)
+        return builder.call(float_intrinsic(builder, "llvm.maximum", args[0].type, 2), args)
+    return (lt or a)(a, b), codegen
 
 
 def fexp(x):
@@ -236,8 +246,8 @@ def fexp_nonpos(x):
 
 @overload(fexp_nonpos)
 def _fexp_nonpos(x):
-    if x == types.float32:
+    if x == types.float32 or (isinstance(x, Lanes) and x.dtype == types.float32):
         return lambda x: exp_nonpos_f32(x)
-    if x == types.float64:
+    if x == types.float64 or (isinstance(x, Lanes) and x.dtype == types.float64):
         return lambda x: exp_nonpos_f64(x)
     return None

@@ -42,6 +42,8 @@ from numba.extending import intrinsic, overload
 from llvmlite import ir
 
 from ._dtypes import acc, narrow, widen
+from ._lanes import (lanes, lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store,
+                     lanes_sum, lanes_zeros)
 from ._vecmath import fexp_nonpos, fmax
 
 # Reductions are compiled with reassociation so LLVM vectorizes them (several
@@ -54,7 +56,13 @@ from ._vecmath import fexp_nonpos, fmax
 # loading kernels from the on-disk cache got other bits than the one that compiled
 # them), and results must not depend on the cache.
 FLAGS = frozenset({'nsz', 'arcp', 'afn', 'reassoc'})
+#: only for ``_max``, whose result does not depend on the order
 _reduction = njit(fastmath=set(FLAGS), cache=True, nogil=True, error_model='numpy')
+#: the sums: explicit lanes (``_lanes``) and no fast-math flags, so the order of
+#: every sum is fixed by the code, whichever copy of a function runs (a
+#: reassociated loop let LLVM choose it per compilation, and the serial and
+#: parallel builds and the on-disk cache each held a copy compiled differently)
+_lanes_fn = njit(cache=True, nogil=True, error_model='numpy')
 
 
 def _prefer_512(context, builder, sig, args):
@@ -169,6 +177,25 @@ _times = _with_param(operator.mul, "v * weight[c], or v when weight is None.")
 _plus = _with_param(operator.add, "v + bias[c], or v when bias is None.")
 
 
+def _with_lanes_param(combine, doc):
+    """The lanes form of ``_with_param``: f(v, param, c, k) = combine(v,
+    param[c:c+k] as v's lanes), or v when param is None."""
+    def helper(v, param, c, k):
+        raise NotImplementedError
+    helper.__doc__ = doc
+
+    @overload(helper)
+    def impl(v, param, c, k):
+        if isinstance(param, types.NoneType):
+            return lambda v, param, c, k: v
+        return lambda v, param, c, k: combine(v, lanes_load_like(param, c, k, v))
+    return helper
+
+
+_vtimes = _with_lanes_param(operator.mul, "v * weight[c:c+k], or v when weight is None.")
+_vplus = _with_lanes_param(operator.add, "v + bias[c:c+k], or v when bias is None.")
+
+
 def _add_into(total, c, v, first):
     raise NotImplementedError
 
@@ -195,76 +222,107 @@ def _max(x):
     return m
 
 
-@_reduction
+# Every reduction below reads a row ``lanes(x)`` elements at a time (see
+# ``_lanes``): a loop over whole blocks and one call for the zero-padded last
+# block, both through the same inlined block function, whose ``k == lanes(x)``
+# masking folds away in the loop.
+@_lanes_fn
 def _exp_sum(x, m, scratch):
     """scratch = exp(x - m); returns sum(scratch)."""
-    _wide_vectors()
-    s = acc(x, 0.0)
-    for c in range(x.shape[0]):
-        e = fexp_nonpos(widen(x[c]) - m)
-        scratch[c] = e
-        s += e
-    return s
+    n, step = x.shape[0], lanes(x)
+    s = lanes_zeros(x)
+    for c in range(0, n - step + 1, step):
+        s = _exp_sum_block(x, m, scratch, s, c, step)
+    if n % step:
+        s = _exp_sum_block(x, m, scratch, s, n - n % step, n % step)
+    return lanes_sum(s)
 
 
-@_reduction
+@_row
+def _exp_sum_block(x, m, scratch, s, c, k):
+    e = lanes_keep(fexp_nonpos(lanes_load(x, c, k) - m), k, acc(x, 0.0))
+    lanes_store(scratch, c, e, k)
+    return s + e
+
+
+@_lanes_fn
 def _softmax_fwd_stage(xa, xb, mb, sb, sc, inv, yc):
     """One pass over three rows of the pipelined forward (``_softmax_fwd_rows``):
     returns (max(xa), sum(sb)) with sb = exp(xb - mb), and stores yc = sc * inv."""
-    _wide_vectors()
-    m = acc(xa, -np.inf)
-    s = acc(xa, 0.0)
-    for c in range(xa.shape[0]):
-        m = fmax(m, widen(xa[c]))
-        e = fexp_nonpos(widen(xb[c]) - mb)
-        sb[c] = e
-        s += e
-        yc[c] = narrow(sc[c] * inv, yc)
-    return m, s
+    n, step = xa.shape[0], lanes(xa)
+    m = lanes_zeros(xa) + acc(xa, -np.inf)
+    s = lanes_zeros(xa)
+    for c in range(0, n - step + 1, step):
+        m, s = _softmax_fwd_block(xa, xb, mb, sb, sc, inv, yc, m, s, c, step)
+    if n % step:
+        m, s = _softmax_fwd_block(xa, xb, mb, sb, sc, inv, yc, m, s, n - n % step, n % step)
+    return lanes_max(m), lanes_sum(s)
 
 
-@_reduction
+@_row
+def _softmax_fwd_block(xa, xb, mb, sb, sc, inv, yc, m, s, c, k):
+    m = fmax(m, lanes_keep(lanes_load(xa, c, k), k, acc(xa, -np.inf)))
+    e = lanes_keep(fexp_nonpos(lanes_load(xb, c, k) - mb), k, acc(xa, 0.0))
+    lanes_store(sb, c, e, k)
+    lanes_store(yc, c, lanes_load(sc, c, k) * inv, k)
+    return m, s + e
+
+
+@_lanes_fn
 def _sum_sq(x, center):
     """(sum((x - center)**2), sum(x - center))."""
-    _wide_for_halves(x)
-    ss = acc(x, 0.0)
-    sd = acc(x, 0.0)
-    for c in range(x.shape[0]):
-        d = widen(x[c]) - center
-        ss += d * d
-        sd += d
-    return ss, sd
+    n, step = x.shape[0], lanes(x)
+    ss = sd = lanes_zeros(x)
+    for c in range(0, n - step + 1, step):
+        ss, sd = _sum_sq_block(x, center, ss, sd, c, step)
+    if n % step:
+        ss, sd = _sum_sq_block(x, center, ss, sd, n - n % step, n % step)
+    return lanes_sum(ss), lanes_sum(sd)
 
 
-@_reduction
+@_row
+def _sum_sq_block(x, center, ss, sd, c, k):
+    d = lanes_keep(lanes_load(x, c, k) - center, k, acc(x, 0.0))
+    return ss + d * d, sd + d
+
+
+@_lanes_fn
 def _moments(x, center, scale):
     """(sum(x * scale), sum((x - center)**2), sum(x - center))."""
-    _wide_for_halves(x)
-    sm = acc(x, 0.0)
-    ss = acc(x, 0.0)
-    sd = acc(x, 0.0)
-    for c in range(x.shape[0]):
-        v = widen(x[c])
-        d = v - center
-        sm += v * scale
-        ss += d * d
-        sd += d
-    return sm, ss, sd
+    n, step = x.shape[0], lanes(x)
+    sm = ss = sd = lanes_zeros(x)
+    for c in range(0, n - step + 1, step):
+        sm, ss, sd = _moments_block(x, center, scale, sm, ss, sd, c, step)
+    if n % step:
+        sm, ss, sd = _moments_block(x, center, scale, sm, ss, sd, n - n % step, n % step)
+    return lanes_sum(sm), lanes_sum(ss), lanes_sum(sd)
 
 
-@_reduction
+@_row
+def _moments_block(x, center, scale, sm, ss, sd, c, k):
+    v = lanes_load(x, c, k)
+    d = lanes_keep(v - center, k, acc(x, 0.0))
+    return sm + lanes_keep(v * scale, k, acc(x, 0.0)), ss + d * d, sd + d
+
+
+@_lanes_fn
 def _grad_sums(dy, weight, x, center, scale):
     """With g = dy * weight and xhat = (x - center) * scale: (sum(g * xhat), sum(g))."""
-    _wide_for_halves(x)
-    dot = acc(x, 0.0)
-    gsum = acc(x, 0.0)
-    for c in range(x.shape[0]):
-        g = widen(dy[c])
-        if weight is not None:
-            g = g * widen(weight[c])
-        dot += g * ((widen(x[c]) - center) * scale)
-        gsum += g
-    return dot, gsum
+    n, step = x.shape[0], lanes(x)
+    dot = gsum = lanes_zeros(x)
+    for c in range(0, n - step + 1, step):
+        dot, gsum = _grad_sums_block(dy, weight, x, center, scale, dot, gsum, c, step)
+    if n % step:
+        dot, gsum = _grad_sums_block(dy, weight, x, center, scale, dot, gsum,
+                                     n - n % step, n % step)
+    return lanes_sum(dot), lanes_sum(gsum)
+
+
+@_row
+def _grad_sums_block(dy, weight, x, center, scale, dot, gsum, c, k):
+    g = _vtimes(lanes_load(dy, c, k), weight, c, k)
+    xhat = (lanes_load(x, c, k) - center) * scale
+    return dot + lanes_keep(g * xhat, k, acc(x, 0.0)), gsum + g
 
 
 # ------------------------------------------------------------------ softmax
@@ -338,17 +396,24 @@ def _rms_norm_fwd_row(x, weight, eps, y):
     return rstd
 
 
-@_reduction
+@_lanes_fn
 def _rms_norm_fwd_stage(xa, xc, weight, rstd, yc):
     """One pass of the pipelined forward (``_rms_norm_fwd_rows``): returns
     sum(xa**2) and stores yc = xc * rstd * weight."""
-    _wide_for_halves(xa)
-    ss = acc(xa, 0.0)
-    for c in range(xa.shape[0]):
-        v = widen(xa[c])
-        ss += v * v
-        yc[c] = narrow(_times(widen(xc[c]) * rstd, weight, c), yc)
-    return ss
+    n, step = xa.shape[0], lanes(xa)
+    ss = lanes_zeros(xa)
+    for c in range(0, n - step + 1, step):
+        ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c, step)
+    if n % step:
+        ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, n - n % step, n % step)
+    return lanes_sum(ss)
+
+
+@_row
+def _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c, k):
+    v = lanes_load(xa, c, k)          # zero-padded: the squares need no mask
+    lanes_store(yc, c, _vtimes(lanes_load(xc, c, k) * rstd, weight, c, k), k)
+    return ss + v * v
 
 
 @_row
@@ -474,22 +539,27 @@ def _layer_norm_stats(x, sums, inv_cols, eps):
     return mean, acc(x, 1.0) / np.sqrt(var + acc(x, eps))
 
 
-@_reduction
+@_lanes_fn
 def _layer_norm_fwd_stage(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
     """One pass of the pipelined forward (``_layer_norm_fwd_rows``): returns
     _moments(xa, m0, inv_cols) and stores yc = (xc - mean) * rstd * weight + bias."""
-    _wide_for_halves(xa)
-    sm = acc(xa, 0.0)
-    ss = acc(xa, 0.0)
-    sd = acc(xa, 0.0)
-    for c in range(xa.shape[0]):
-        v = widen(xa[c])
-        d = v - m0
-        sm += v * inv_cols
-        ss += d * d
-        sd += d
-        yc[c] = narrow(_plus(_times((widen(xc[c]) - mean) * rstd, weight, c), bias, c), yc)
-    return sm, ss, sd
+    n, step = xa.shape[0], lanes(xa)
+    sm = ss = sd = lanes_zeros(xa)
+    for c in range(0, n - step + 1, step):
+        sm, ss, sd = _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
+                                           yc, sm, ss, sd, c, step)
+    if n % step:
+        sm, ss, sd = _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
+                                           yc, sm, ss, sd, n - n % step, n % step)
+    return lanes_sum(sm), lanes_sum(ss), lanes_sum(sd)
+
+
+@_row
+def _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, sm, ss, sd,
+                          c, k):
+    y = _vplus(_vtimes((lanes_load(xc, c, k) - mean) * rstd, weight, c, k), bias, c, k)
+    lanes_store(yc, c, y, k)
+    return _moments_block(xa, m0, inv_cols, sm, ss, sd, c, k)
 
 
 @_row
@@ -772,19 +842,16 @@ def _build(loop):
     ``loop`` is referenced in every body on purpose: numba's cache key hashes
     the closure cells, so the two builds get distinct cache entries.
 
-    Only the serial build is cached on disk. The parallel build loaded from
-    numba's cache computed other bits than the same build compiled in the process
-    (and than the serial build): 1 ulp on some rows of the softmax and the
-    pipelined norm forwards (2026-12-04, this project's Xeon; numba's parfor code
-    links its own copies of the reductions, whose reassociated sums the cached
-    object code vectorized differently -- the mechanism was not pinned down).
-    Compiled in each process, it matches the serial build bit for bit
-    (tests/test_runtime.py::test_parallel_bits_equal_serial_compiled_or_cached);
-    the cost is 1-4 s of compile at the first parallel call of each kernel and
-    dtype in a process.
+    Both builds are cached on disk, and compute the same bits compiled or loaded
+    (tests/test_runtime.py::test_parallel_bits_equal_serial_compiled_or_cached):
+    every sum runs in explicit lanes with a fixed order (``_lanes``). With
+    reassociated loops instead, a process that loaded the parallel build from the
+    cache computed the softmax and the pipelined norm forwards 1 ulp off on some
+    rows (2026-12-04): each library held its own differently vectorized copy of a
+    reduction, and the linker picked one by symbol name.
     """
     parallel = loop is prange
-    opts = dict(parallel=parallel, cache=not parallel, nogil=True, error_model='numpy')
+    opts = dict(parallel=parallel, cache=True, nogil=True, error_model='numpy')
 
     @njit(**opts)
     def softmax_fwd(x, y):
@@ -1242,9 +1309,8 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
 
 def warmup(dtypes=None, verbose=False):
     """Compile (or load from the on-disk cache) every CPU kernel for every dtype,
-    parameter dtype and layout the dispatcher produces for contiguous inputs (the
-    parallel builds are never cached: see ``_build``; warming them serves this
-    process).
+    parameter dtype and layout the dispatcher produces for contiguous inputs,
+    serial and parallel builds.
     Returns {"op/direction/dtype/param-dtype": seconds}."""
     import numba_fused as nf
     from . import _dtypes as D

@@ -200,26 +200,37 @@ _SERIAL_PARALLEL_CHILD = textwrap.dedent("""
                      nf.layer_norm_fwd(x, w, w)[0])
             out.setdefault(shape, {})[mode] = b"".join(a.tobytes() for a in r)
     np.save(sys.argv[2], np.array([out[s][m] for s in sorted(out) for m in sorted(out[s])]))
+    for name in ("softmax_fwd", "rms_norm_fwd", "layer_norm_fwd"):    # loaded or compiled
+        for build, kernels in (("serial", cpu.SERIAL), ("parallel", cpu.PARALLEL)):
+            st = kernels[name].stats
+            print(build, name, sum(st.cache_hits.values()), sum(st.cache_misses.values()))
 """)
 
 
 def test_parallel_bits_equal_serial_compiled_or_cached(tmp_path):
     """A row's bits do not depend on the build (serial or parallel) nor on whether
     the process compiled the kernels or loaded them from the on-disk cache. (Seen
-    2026-12-04: parallel builds loaded from numba's cache gave the forwards 1 ulp
-    apart on some rows from the serial and the freshly compiled parallel builds;
-    the parallel builds are no longer cached.) Process 1 compiles the serial
-    kernels, process 2 loads them and compiles the parallel ones, process 3 loads
-    what can be loaded."""
+    2026-12-04 with reassociated sums: a process that loaded both builds from
+    numba's cache computed the forwards 1 ulp apart on some rows.) Process 1
+    compiles the serial kernels, process 2 loads them and compiles the parallel
+    ones, process 3 loads both."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    runs = []
+    runs, stats = [], []
     for k, modes in enumerate(("serial", "parallel,serial", "parallel,serial")):
         f = tmp_path / f"r{k}.npy"
         p = subprocess.run([sys.executable, "-c", _SERIAL_PARALLEL_CHILD, modes, str(f)],
                            env=env, capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stderr[-3000:]
         runs.append(np.load(f))
+        stats.append({tuple(line.split()[:2]): tuple(map(int, line.split()[2:]))
+                      for line in p.stdout.splitlines()})
+    for name in ("softmax_fwd", "rms_norm_fwd", "layer_norm_fwd"):
+        assert stats[1][("serial", name)][0] > 0, "process 2 did not load the serial kernels"
+        assert stats[1][("parallel", name)][1] > 0, "process 2 did not compile the parallel ones"
+        for build in ("serial", "parallel"):
+            hits, misses = stats[2][(build, name)]
+            assert hits > 0 and misses == 0, f"process 3 compiled the {build} {name}"
     serial = runs[0]                         # [shape0 serial, shape1 serial]
     for k in (1, 2):                          # [s0 parallel, s0 serial, s1 parallel, ...]
         for s in range(2):
