@@ -10,8 +10,8 @@ Measured 2026-12-04: with the parallel build cached, a process that loaded both
 builds from the cache computed the *serial* softmax 1 ulp off on some rows.
 
 Here the order is in the code: a row is read ``lanes(arr)`` elements at a time
-into one LLVM vector (``Lanes``: 64 float32 or 32 float64, that is four zmm
-registers -- four independent accumulator chains), every lane accumulates its
+as four LLVM vectors of one register each (``Lanes``: four independent
+accumulator chains; ``LANES``), every lane accumulates its
 own column residue class, the last partial block is zero-padded, and
 ``lanes_sum`` adds the lanes in a fixed tree. No fast-math flags: LLVM may not
 reorder any of it, so every copy of a reduction computes the same bits,
@@ -24,6 +24,7 @@ Functions (jitted code only):
   lanes(arr); lanes k and up are 0. ``lanes_load_like(arr, c, k, v)``: in v's type.
 * ``lanes_store(arr, c, v, k)`` -- arr[c:c+k] = the first k lanes of v, rounded
   to arr's storage type once.
+* ``lanes_zeros(arr)``, ``wide_lanes_zeros(arr)`` (zmm parts), ``lanes_count(v)``.
 * ``lanes_keep(v, k, fill)`` -- lanes k and up replaced by ``fill``.
 * ``lanes_sum(v)``, ``lanes_max(v)`` -- tree sum, IEEE maximum (NaN propagates).
 * ``+``, ``-``, ``*`` between lanes and lanes or a scalar (splatted), and the
@@ -40,15 +41,21 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, overload, register_model
 
-#: lanes per vector, float32 and float64: four 512-bit registers on AVX-512
-#: (fewer on AVX2: four ymm registers)
+#: lanes by storage type, in four parts of one register each: zmm for float16/
+#: bfloat16 rows (their conversions gain from the width), ymm for float32/float64
+#: rows, which start wherever NumPy put them (16-byte aligned), so most 64-byte
+#: loads would straddle two cache lines (measured 2026-12-04 in cache, one core,
+#: the pipelined float32 rms_norm stage: zmm 0.23-0.30 vs ymm 0.17-0.20 ns per
+#: element). Parts, not one wide vector: LLVM legalizes a wide vector into zmm
+#: wherever AVX-512 exists, whatever the function prefers.
 _AVX512 = "+avx512f" in llb.get_host_cpu_features().flatten().split(",")
-LANES32 = 64 if _AVX512 else 32
-LANES64 = LANES32 // 2
+LANES = {types.int16: 64 if _AVX512 else 32, types.uint16: 64 if _AVX512 else 32,
+         types.float32: 32, types.float64: 16}
+PARTS = 4
 
 
 class Lanes(types.Type):
-    """``count`` values of the float type ``dtype`` in one LLVM vector."""
+    """``count`` values of the float type ``dtype``, held as PARTS vectors."""
 
     def __init__(self, dtype, count):
         self.dtype = dtype
@@ -60,7 +67,8 @@ class Lanes(types.Type):
 class _LanesModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
         elem = dmm.lookup(fe_type.dtype).get_value_type()
-        super().__init__(dmm, fe_type, ir.VectorType(elem, fe_type.count))
+        part = ir.VectorType(elem, fe_type.count // PARTS)
+        super().__init__(dmm, fe_type, ir.ArrayType(part, PARTS))
 
 
 def _acc_of(dtype):
@@ -68,9 +76,8 @@ def _acc_of(dtype):
 
 
 def lanes_type(dtype):
-    """Lanes of the accumulator type of an array of storage type ``dtype``."""
-    acc = _acc_of(dtype)
-    return Lanes(acc, LANES64 if acc == types.float64 else LANES32)
+    """Lanes of the accumulator type for an array of storage type ``dtype``."""
+    return Lanes(_acc_of(dtype), LANES[dtype])
 
 
 # ------------------------------------------------------------ IR helpers
@@ -113,6 +120,46 @@ def float_intrinsic(builder, name, ty, nargs):
                                           f"{name}.{suffix}")
 
 
+def split(builder, value):
+    """The PARTS vectors of a lanes value."""
+    return [builder.extract_value(value, i) for i in range(value.type.count)]
+
+
+def join(builder, parts):
+    """A lanes value from its part vectors."""
+    value = ir.Constant(ir.ArrayType(parts[0].type, len(parts)), ir.Undefined)
+    for i, part in enumerate(parts):
+        value = builder.insert_value(value, part, i)
+    return value
+
+
+def apply(context, builder, sig, args, fn):
+    """fn(builder, *operands) on each part of the result's lanes (scalar
+    arguments splatted), or once on plain scalars."""
+    rty = sig.return_type
+    if not isinstance(rty, Lanes):
+        return fn(builder, *args)
+    part_ty = context.get_value_type(rty).element
+    operands = []
+    for t, a in zip(sig.args, args):
+        if isinstance(t, Lanes):
+            operands.append(split(builder, a))
+        else:
+            operands.append([splat(builder, context.cast(builder, a, t, rty.dtype),
+                                   part_ty)] * PARTS)
+    return join(builder, [fn(builder, *(ops[i] for ops in operands)) for i in range(PARTS)])
+
+
+def result_lanes(*tys):
+    """The Lanes type of a mixed lanes/scalar operation, or None."""
+    ls = [t for t in tys if isinstance(t, Lanes)]
+    if not ls or any(t != ls[0] for t in ls):
+        return None
+    if not all(isinstance(t, (Lanes, types.Float)) for t in tys):
+        return None
+    return ls[0]
+
+
 def widen_ir(builder, value, storage):
     """Storage values (scalar or vector of int16 float16 bits, uint16 bfloat16
     bits, float32, float64) -> float32 (float64 for float64). Exact."""
@@ -132,12 +179,11 @@ def narrow_ir(builder, value, storage):
     ty = value.type
     if storage == types.float64:
         return value
+    f32 = float_like(ty, ir.FloatType())
+    if value.type != f32:
+        value = builder.fptrunc(value, f32)
     if storage == types.float32:
-        f32 = float_like(ty, ir.FloatType())
-        return value if value.type == f32 else builder.fptrunc(value, f32)
-    if value.type != float_like(ty, ir.FloatType()):
-        value = builder.fptrunc(value, float_like(ty, ir.FloatType()))
-    ty = value.type
+        return value
     if storage == types.int16:
         return builder.bitcast(builder.fptrunc(value, float_like(ty, ir.HalfType())),
                                int_like(ty, 16))
@@ -151,13 +197,16 @@ def narrow_ir(builder, value, storage):
     return builder.trunc(builder.select(isnan, quiet_nan, rounded), int_like(ty, 16))
 
 
-def _storage_ir(context, dtype):
-    return context.get_data_type(dtype)
-
-
 def _elem_pointer(context, builder, aty, arr, c):
     data = context.make_array(aty)(context, builder, arr).data
     return builder.gep(data, [c], inbounds=True)
+
+
+def _part_pointers(builder, ptr, part_ty):
+    """Pointers to the PARTS consecutive vectors of ``part_ty`` from ``ptr``."""
+    return [builder.bitcast(builder.gep(ptr, [ir.Constant(ir.IntType(64), i * part_ty.count)],
+                                        inbounds=True), part_ty.as_pointer())
+            for i in range(PARTS)]
 
 
 # --------------------------------------------------------------- typing
@@ -168,7 +217,7 @@ def _is_lanes_array(arr):
 
 @intrinsic
 def lanes(typingctx, arr):
-    """The lane count of arr's accumulator type (a compile-time constant)."""
+    """The lane count for arr's storage type (a compile-time constant)."""
     if not _is_lanes_array(arr):
         return None
     count = lanes_type(arr.dtype).count
@@ -178,50 +227,78 @@ def lanes(typingctx, arr):
     return types.intp(arr), codegen
 
 
+def _zeros(wide):
+    @intrinsic
+    def zeros(typingctx, arr):
+        if not _is_lanes_array(arr):
+            return None
+        lt = lanes_type(arr.dtype)
+        if wide:
+            lt = Lanes(lt.dtype, LANES[types.uint16] // (2 if lt.dtype == types.float64 else 1))
+
+        def codegen(context, builder, sig, args):
+            return ir.Constant(context.get_value_type(lt), None)
+        return lt(arr), codegen
+    return zeros
+
+
+lanes_zeros = _zeros(False)
+lanes_zeros.__doc__ = "Zero lanes of arr's accumulator type."
+wide_lanes_zeros = _zeros(True)
+wide_lanes_zeros.__doc__ = """Zero lanes of arr's accumulator type in zmm-sized parts (for
+compute-bound loops such as the softmax exp, which gains from the width more than
+it loses on split loads: 1.11-1.29x in float32, benchmarks/ab.py 2026-12-04)."""
+
+
+@intrinsic
+def lanes_count(typingctx, v):
+    """The lane count of v (a compile-time constant)."""
+    if not isinstance(v, Lanes):
+        return None
+    count = v.count
+
+    def codegen(context, builder, sig, args):
+        return context.get_constant(types.intp, count)
+    return types.intp(v), codegen
+
+
 def _load_codegen(lt):
     """Codegen of a lanes load of arr[c:c+k] into Lanes ``lt``."""
     def codegen(context, builder, sig, args):
         aty = sig.args[0]
         arr, c, k = args[:3]
-        sty = _storage_ir(context, aty.dtype)
+        sty = context.get_data_type(aty.dtype)
         size = context.get_abi_sizeof(sty)
-        vty = ir.VectorType(sty, lt.count)
+        part_ty = ir.VectorType(sty, lt.count // PARTS)
         ptr = _elem_pointer(context, builder, aty, arr, c)
         full = builder.icmp_signed('==', k, ir.Constant(k.type, lt.count))
         with builder.if_else(full) as (then, otherwise):
             with then:
-                whole = builder.load(builder.bitcast(ptr, vty.as_pointer()), align=size)
+                whole = [builder.load(p, align=size) for p in _part_pointers(builder, ptr, part_ty)]
                 then_block = builder.block
             with otherwise:
                 # a partial block: k elements copied into a zeroed buffer (never
                 # reads past the row)
-                buf = cgutils.alloca_once(builder, vty)
-                builder.store(ir.Constant(vty, None), buf)
-                cgutils.raw_memcpy(builder, builder.bitcast(buf, sty.as_pointer()), ptr,
-                                   k, size)
-                part = builder.load(buf)
+                buf = cgutils.alloca_once(builder, ir.ArrayType(sty, lt.count))
+                builder.store(ir.Constant(buf.type.pointee, None), buf)
+                base = builder.bitcast(buf, sty.as_pointer())
+                cgutils.raw_memcpy(builder, base, ptr, k, size)
+                part = [builder.load(p) for p in _part_pointers(builder, base, part_ty)]
                 else_block = builder.block
-        raw = builder.phi(vty)
-        raw.add_incoming(whole, then_block)
-        raw.add_incoming(part, else_block)
-        value = widen_ir(builder, raw, aty.dtype)
         elem = context.get_value_type(lt.dtype)
-        if value.type.element != elem:
-            value = builder.fpext(value, ir.VectorType(elem, lt.count))
-        return value
+        raws = []
+        for w, p in zip(whole, part):
+            raws.append(builder.phi(part_ty))
+            raws[-1].add_incoming(w, then_block)
+            raws[-1].add_incoming(p, else_block)
+        parts = []
+        for raw in raws:
+            value = widen_ir(builder, raw, aty.dtype)
+            if value.type.element != elem:
+                value = builder.fpext(value, ir.VectorType(elem, part_ty.count))
+            parts.append(value)
+        return join(builder, parts)
     return codegen
-
-
-@intrinsic
-def lanes_zeros(typingctx, arr):
-    """Zero lanes of arr's accumulator type."""
-    if not _is_lanes_array(arr):
-        return None
-    lt = lanes_type(arr.dtype)
-
-    def codegen(context, builder, sig, args):
-        return ir.Constant(context.get_value_type(lt), None)
-    return lt(arr), codegen
 
 
 @intrinsic
@@ -236,12 +313,12 @@ def lanes_load(typingctx, arr, c, k):
 
 @intrinsic
 def lanes_load_like(typingctx, arr, c, k, like):
-    """``lanes_load`` into the type of ``like`` (float32 weights of float64 rows)."""
-    if not (_is_lanes_array(arr) and isinstance(like, Lanes)
-            and lanes_type(arr.dtype).count >= like.count):
+    """``lanes_load`` into the lanes type of ``like`` (a float32 scratch row or
+    weight beside bfloat16 or float64 rows)."""
+    if not (_is_lanes_array(arr) and isinstance(like, Lanes)):
         return None
     src = lanes_type(arr.dtype)
-    if like.count != src.count and not (src.dtype == types.float32
+    if like.dtype != src.dtype and not (src.dtype == types.float32
                                         and like.dtype == types.float64):
         return None
     return like(arr, types.intp, types.intp, like), _load_codegen(like)
@@ -254,22 +331,24 @@ def lanes_store(typingctx, arr, c, v, k):
         return None
 
     def codegen(context, builder, sig, args):
-        aty = sig.args[0]
+        aty, lt = sig.args[0], sig.args[2]
         arr, c, v, k = args
-        sty = _storage_ir(context, aty.dtype)
-        vty = ir.VectorType(sty, sig.args[2].count)
-        value = narrow_ir(builder, v, aty.dtype)
+        sty = context.get_data_type(aty.dtype)
+        size = context.get_abi_sizeof(sty)
+        part_ty = ir.VectorType(sty, lt.count // PARTS)
+        parts = [narrow_ir(builder, p, aty.dtype) for p in split(builder, v)]
         ptr = _elem_pointer(context, builder, aty, arr, c)
-        full = builder.icmp_signed('==', k, ir.Constant(k.type, vty.count))
+        full = builder.icmp_signed('==', k, ir.Constant(k.type, lt.count))
         with builder.if_else(full) as (then, otherwise):
             with then:
-                builder.store(value, builder.bitcast(ptr, vty.as_pointer()),
-                              align=context.get_abi_sizeof(sty))
+                for p, q in zip(parts, _part_pointers(builder, ptr, part_ty)):
+                    builder.store(p, q, align=size)
             with otherwise:
-                buf = cgutils.alloca_once(builder, vty)
-                builder.store(value, buf)
-                cgutils.raw_memcpy(builder, ptr, builder.bitcast(buf, sty.as_pointer()),
-                                   k, context.get_abi_sizeof(sty))
+                buf = cgutils.alloca_once(builder, ir.ArrayType(sty, lt.count))
+                base = builder.bitcast(buf, sty.as_pointer())
+                for p, q in zip(parts, _part_pointers(builder, base, part_ty)):
+                    builder.store(p, q)
+                cgutils.raw_memcpy(builder, ptr, base, k, size)
         return context.get_dummy_value()
     return types.void(arr, types.intp, v, types.intp), codegen
 
@@ -283,20 +362,33 @@ def lanes_keep(typingctx, v, k, fill):
 
     def codegen(context, builder, sig, args):
         v, k, fill = args
-        n = v.type.count
-        idx = ir.Constant(ir.VectorType(k.type, n), [ir.Constant(k.type, i) for i in range(n)])
-        keep = builder.icmp_signed('<', idx, splat(builder, k, idx.type))
-        fill = context.cast(builder, fill, sig.args[2], sig.args[0].dtype)
-        return builder.select(keep, v, splat(builder, fill, v.type))
+        parts = split(builder, v)
+        n = parts[0].type.count
+        fill = splat(builder, context.cast(builder, fill, sig.args[2], sig.args[0].dtype),
+                     parts[0].type)
+        ity = ir.VectorType(k.type, n)
+        kept = []
+        for i, part in enumerate(parts):
+            idx = ir.Constant(ity, [ir.Constant(k.type, i * n + j) for j in range(n)])
+            kept.append(builder.select(builder.icmp_signed('<', idx, splat(builder, k, ity)),
+                                       part, fill))
+        return join(builder, kept)
     return v(v, types.intp, fill), codegen
 
 
 def _tree(builder, v, combine):
+    """Parts combined as (p0 . p1) . (p2 . p3), then the halves of the vector
+    pairwise down to one lane: a fixed order."""
+    parts = split(builder, v)
+    while len(parts) > 1:
+        parts = [combine(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    v = parts[0]
     while v.type.count > 1:
         half = v.type.count // 2
-        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), half),
+        i32 = ir.IntType(32)
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
                                                       list(range(half))))
-        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), half),
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
                                                       list(range(half, 2 * half))))
         v = combine(lo, hi)
     return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
@@ -304,7 +396,7 @@ def _tree(builder, v, combine):
 
 @intrinsic
 def lanes_sum(typingctx, v):
-    """Sum of the lanes: halves added pairwise, log2(count) steps (a fixed order)."""
+    """Sum of the lanes in a fixed tree (``_tree``)."""
     if not isinstance(v, Lanes):
         return None
 
@@ -327,28 +419,6 @@ def lanes_max(typingctx, v):
 
 
 # ------------------------------------------------------------ arithmetic
-def operands(context, builder, sig, args):
-    """The arguments as vectors of the result's lanes type (scalars splatted)."""
-    rty = sig.return_type
-    vty = context.get_value_type(rty)
-    out = []
-    for t, a in zip(sig.args, args):
-        if not isinstance(t, Lanes):
-            a = splat(builder, context.cast(builder, a, t, rty.dtype), vty)
-        out.append(a)
-    return out
-
-
-def result_lanes(*tys):
-    """The Lanes type of a mixed lanes/scalar operation, or None."""
-    ls = [t for t in tys if isinstance(t, Lanes)]
-    if not ls or any(t != ls[0] for t in ls):
-        return None
-    if not all(isinstance(t, (Lanes, types.Float)) for t in tys):
-        return None
-    return ls[0]
-
-
 def _binary(op):
     @intrinsic
     def impl(typingctx, a, b):
@@ -357,12 +427,9 @@ def _binary(op):
             return None
 
         def codegen(context, builder, sig, args):
-            return getattr(builder, op)(*operands(context, builder, sig, args))
+            return apply(context, builder, sig, args, lambda bld, x, y: getattr(bld, op)(x, y))
         return lt(a, b), codegen
     return impl
-
-
-_add, _sub, _mul = _binary('fadd'), _binary('fsub'), _binary('fmul')
 
 
 def _register(pyop, impl):
@@ -373,5 +440,5 @@ def _register(pyop, impl):
         return None
 
 
-for _pyop, _impl in ((operator.add, _add), (operator.sub, _sub), (operator.mul, _mul)):
-    _register(_pyop, _impl)
+for _pyop, _op in ((operator.add, 'fadd'), (operator.sub, 'fsub'), (operator.mul, 'fmul')):
+    _register(_pyop, _binary(_op))

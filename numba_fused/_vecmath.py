@@ -25,7 +25,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from ._lanes import Lanes, const_like, float_intrinsic, int_like, operands, result_lanes
+from ._lanes import Lanes, apply, const_like, float_intrinsic, int_like, result_lanes
 
 _MAGIC32 = 12582912.0            # 1.5 * 2**23: adding it rounds to an integer
 _MAGIC64 = 6755399441055744.0    # 1.5 * 2**52
@@ -81,8 +81,8 @@ def _clamp_below(typingctx, x, lo):
         return None
 
     def codegen(context, builder, sig, args):
-        x, lo = operands(context, builder, sig, args) if lt is not None else args
-        return builder.select(builder.fcmp_ordered('<', x, lo), lo, x)
+        return apply(context, builder, sig, args,
+                     lambda b, x, lo: b.select(b.fcmp_ordered('<', x, lo), lo, x))
     return (lt or x)(x, lo), codegen
 
 
@@ -93,8 +93,8 @@ def _fma(typingctx, a, b, c):
     lt = result_lanes(a, b, c)
     if lt is not None:           # lanes, scalars splatted
         def codegen(context, builder, sig, args):
-            args = operands(context, builder, sig, args)
-            return builder.call(float_intrinsic(builder, "llvm.fma", args[0].type, 3), args)
+            return apply(context, builder, sig, args, lambda b, x, y, z: b.call(
+                float_intrinsic(b, "llvm.fma", x.type, 3), [x, y, z]))
         return lt(a, b, c), codegen
     if not (a == b == c and isinstance(a, types.Float)):
         return None
@@ -124,12 +124,12 @@ def _scale_shifted_intrinsic(fty, bits, bias, magic, shift):
             return None
 
         def codegen(context, builder, sig, args):
-            p, t = args
-            ity = int_like(p.type, bits)
-            e = builder.sub(builder.bitcast(t, ity),
-                            const_like(ity, magic_bits - shift - bias))
-            pow2 = builder.bitcast(builder.shl(e, const_like(ity, mant)), p.type)
-            return builder.fmul(builder.fmul(p, pow2), const_like(p.type, down))
+            def scaled(b, p, t):
+                ity = int_like(p.type, bits)
+                e = b.sub(b.bitcast(t, ity), const_like(ity, magic_bits - shift - bias))
+                pow2 = b.bitcast(b.shl(e, const_like(ity, mant)), p.type)
+                return b.fmul(b.fmul(p, pow2), const_like(p.type, down))
+            return apply(context, builder, sig, args, scaled)
         return p(p, t), codegen
     return scale
 
@@ -219,9 +219,8 @@ def fmax(typingctx, a, b):
         return None
 
     def codegen(context, builder, sig, args):
-        if lt is not None:
-            args = operands(context, builder, sig, args)
-        return builder.call(float_intrinsic(builder, "llvm.maximum", args[0].type, 2), args)
+        return apply(context, builder, sig, args, lambda b, x, y: b.call(
+            float_intrinsic(b, "llvm.maximum", x.type, 2), [x, y]))
     return (lt or a)(a, b), codegen
 
 
