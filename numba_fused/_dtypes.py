@@ -102,8 +102,67 @@ def from_storage(a, dtype):
 
 
 # ---------------------------------------------------------------- intrinsics
-_i16, _i32, _i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+# The conversions are written once as IR helpers that take a scalar or a vector
+# (``_lanes`` converts whole blocks with them; the scalar intrinsics below wrap them).
+_i32, _i64 = ir.IntType(32), ir.IntType(64)
 _f32, _f64 = ir.FloatType(), ir.DoubleType()
+
+
+def const_like(ty, value):
+    """A constant of ``ty``, splatted when ``ty`` is a vector type."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def int_like(ty, bits):
+    """The integer type with ``bits`` bits, a vector of them if ``ty`` is a vector."""
+    if isinstance(ty, ir.VectorType):
+        return ir.VectorType(ir.IntType(bits), ty.count)
+    return ir.IntType(bits)
+
+
+def float_like(ty, fty):
+    if isinstance(ty, ir.VectorType):
+        return ir.VectorType(fty, ty.count)
+    return fty
+
+
+def widen_ir(builder, value, storage):
+    """Storage values (scalar or vector of int16 float16 bits, uint16 bfloat16
+    bits, float32, float64) -> float32 (float64 for float64). Exact."""
+    ty = value.type
+    if storage == types.int16:
+        return builder.fpext(builder.bitcast(value, float_like(ty, ir.HalfType())),
+                             float_like(ty, ir.FloatType()))
+    if storage == types.uint16:
+        wide = builder.shl(builder.zext(value, int_like(ty, 32)), const_like(int_like(ty, 32), 16))
+        return builder.bitcast(wide, float_like(ty, ir.FloatType()))
+    return value
+
+
+def narrow_ir(builder, value, storage):
+    """float32/float64 values -> ``storage`` values, round to nearest even once
+    (bfloat16: NaN stays a quiet NaN). Scalar or vector."""
+    ty = value.type
+    if storage == types.float64:
+        return value
+    f32 = float_like(ty, ir.FloatType())
+    if value.type != f32:
+        value = builder.fptrunc(value, f32)
+    if storage == types.float32:
+        return value
+    if storage == types.int16:
+        return builder.bitcast(builder.fptrunc(value, float_like(ty, ir.HalfType())),
+                               int_like(ty, 16))
+    i32 = int_like(ty, 32)
+    bits = builder.bitcast(value, i32)
+    c16 = const_like(i32, 16)
+    lsb = builder.and_(builder.lshr(bits, c16), const_like(i32, 1))
+    rounded = builder.lshr(builder.add(builder.add(bits, const_like(i32, 0x7FFF)), lsb), c16)
+    quiet_nan = builder.or_(builder.lshr(bits, c16), const_like(i32, 0x40))
+    isnan = builder.fcmp_unordered('uno', value, value)
+    return builder.trunc(builder.select(isnan, quiet_nan, rounded), int_like(ty, 16))
 
 
 @intrinsic
@@ -111,10 +170,8 @@ def f16_bits_to_f32(typingctx, bits):
     """float16 bits (int16) -> float32, exact (LLVM fpext half)."""
     if bits != types.int16:
         return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _f32)
-    return types.float32(types.int16), codegen
+    return types.float32(types.int16), lambda context, builder, sig, args: widen_ir(
+        builder, args[0], types.int16)
 
 
 @intrinsic
@@ -122,10 +179,8 @@ def f32_to_f16_bits(typingctx, value):
     """float32 -> float16 bits (int16), round to nearest even (LLVM fptrunc)."""
     if value != types.float32:
         return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _i16)
-    return types.int16(types.float32), codegen
+    return types.int16(types.float32), lambda context, builder, sig, args: narrow_ir(
+        builder, args[0], types.int16)
 
 
 @intrinsic
@@ -133,11 +188,8 @@ def bf16_bits_to_f32(typingctx, bits):
     """bfloat16 bits (uint16) -> float32: the bits are the float32's top half."""
     if bits != types.uint16:
         return None
-
-    def codegen(context, builder, sig, args):
-        wide = builder.shl(builder.zext(args[0], _i32), ir.Constant(_i32, 16))
-        return builder.bitcast(wide, _f32)
-    return types.float32(types.uint16), codegen
+    return types.float32(types.uint16), lambda context, builder, sig, args: widen_ir(
+        builder, args[0], types.uint16)
 
 
 @intrinsic
@@ -145,17 +197,8 @@ def f32_to_bf16_bits(typingctx, value):
     """float32 -> bfloat16 bits (uint16), round to nearest even; NaN stays a quiet NaN."""
     if value != types.float32:
         return None
-
-    def codegen(context, builder, sig, args):
-        bits = builder.bitcast(args[0], _i32)
-        c16 = ir.Constant(_i32, 16)
-        lsb = builder.and_(builder.lshr(bits, c16), ir.Constant(_i32, 1))
-        rounded = builder.lshr(
-            builder.add(builder.add(bits, ir.Constant(_i32, 0x7FFF)), lsb), c16)
-        quiet_nan = builder.or_(builder.lshr(bits, c16), ir.Constant(_i32, 0x40))
-        isnan = builder.fcmp_unordered('uno', args[0], args[0])
-        return builder.trunc(builder.select(isnan, quiet_nan, rounded), _i16)
-    return types.uint16(types.float32), codegen
+    return types.uint16(types.float32), lambda context, builder, sig, args: narrow_ir(
+        builder, args[0], types.uint16)
 
 
 def _bitcast(src_ty, dst_ty, llvm_dst):

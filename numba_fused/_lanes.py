@@ -35,11 +35,12 @@ The constant ``k == lanes(arr)`` of a full block folds the masking away.
 import operator
 
 import llvmlite.binding as llb
-import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, overload, register_model
+
+from ._dtypes import narrow_ir, widen_ir
 
 #: lanes by storage type, in four parts of one register each: zmm for float16/
 #: bfloat16 rows (their conversions gain from the width), ymm for float32/float64
@@ -87,26 +88,6 @@ def splat(builder, value, vty):
     one = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
     zeros = ir.Constant(ir.VectorType(ir.IntType(32), vty.count), None)
     return builder.shuffle_vector(one, undef, zeros)
-
-
-def const_like(ty, value):
-    """A constant of ``ty``, splatted when ``ty`` is a vector type."""
-    if isinstance(ty, ir.VectorType):
-        return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
-    return ir.Constant(ty, value)
-
-
-def int_like(ty, bits):
-    """The integer type with ``bits`` bits, a vector of them if ``ty`` is a vector."""
-    if isinstance(ty, ir.VectorType):
-        return ir.VectorType(ir.IntType(bits), ty.count)
-    return ir.IntType(bits)
-
-
-def float_like(ty, fty):
-    if isinstance(ty, ir.VectorType):
-        return ir.VectorType(fty, ty.count)
-    return fty
 
 
 def float_intrinsic(builder, name, ty, nargs):
@@ -158,43 +139,6 @@ def result_lanes(*tys):
     if not all(isinstance(t, (Lanes, types.Float)) for t in tys):
         return None
     return ls[0]
-
-
-def widen_ir(builder, value, storage):
-    """Storage values (scalar or vector of int16 float16 bits, uint16 bfloat16
-    bits, float32, float64) -> float32 (float64 for float64). Exact."""
-    ty = value.type
-    if storage == types.int16:
-        return builder.fpext(builder.bitcast(value, float_like(ty, ir.HalfType())),
-                             float_like(ty, ir.FloatType()))
-    if storage == types.uint16:
-        wide = builder.shl(builder.zext(value, int_like(ty, 32)), const_like(int_like(ty, 32), 16))
-        return builder.bitcast(wide, float_like(ty, ir.FloatType()))
-    return value
-
-
-def narrow_ir(builder, value, storage):
-    """float32/float64 values -> ``storage`` values, round to nearest even once
-    (bfloat16: NaN stays a quiet NaN). Scalar or vector."""
-    ty = value.type
-    if storage == types.float64:
-        return value
-    f32 = float_like(ty, ir.FloatType())
-    if value.type != f32:
-        value = builder.fptrunc(value, f32)
-    if storage == types.float32:
-        return value
-    if storage == types.int16:
-        return builder.bitcast(builder.fptrunc(value, float_like(ty, ir.HalfType())),
-                               int_like(ty, 16))
-    i32 = int_like(ty, 32)
-    bits = builder.bitcast(value, i32)
-    c16 = const_like(i32, 16)
-    lsb = builder.and_(builder.lshr(bits, c16), const_like(i32, 1))
-    rounded = builder.lshr(builder.add(builder.add(bits, const_like(i32, 0x7FFF)), lsb), c16)
-    quiet_nan = builder.or_(builder.lshr(bits, c16), const_like(i32, 0x40))
-    isnan = builder.fcmp_unordered('uno', value, value)
-    return builder.trunc(builder.select(isnan, quiet_nan, rounded), int_like(ty, 16))
 
 
 def _elem_pointer(context, builder, aty, arr, c):

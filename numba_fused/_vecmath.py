@@ -25,7 +25,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from ._lanes import Lanes, apply, const_like, float_intrinsic, int_like, result_lanes
+from ._dtypes import const_like, int_like
+from ._lanes import Lanes, apply, float_intrinsic, result_lanes
 
 _MAGIC32 = 12582912.0            # 1.5 * 2**23: adding it rounds to an integer
 _MAGIC64 = 6755399441055744.0    # 1.5 * 2**52
