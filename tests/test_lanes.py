@@ -1,0 +1,192 @@
+"""numba_fused._lanes: block loads/stores with the dtype conversions, masking, and
+the documented summation order, replayed in NumPy bit for bit (the order is the
+spec that makes every copy of a reduction agree: see the module docstring)."""
+import numpy as np
+import pytest
+from numba import njit, types
+
+from numba_fused import _lanes as L
+from numba_fused import cpu
+from conftest import BF16, F16, F32, F64
+from test_dtypes import ALL16, F32_CASES
+
+STORAGE = {F32: np.float32, F64: np.float64, F16: np.int16, BF16: np.uint16}
+NB_STORAGE = {F32: types.float32, F64: types.float64, F16: types.int16, BF16: types.uint16}
+IDS = {F32: "f32", F64: "f64", F16: "f16", BF16: "bf16"}
+
+
+def _bits(a, dtype):
+    return np.ascontiguousarray(a.astype(dtype)).view(STORAGE[dtype])
+
+
+def _acc(dtype):
+    return np.float64 if dtype == F64 else np.float32
+
+
+def _count(dtype, wide=False):
+    n = L.LANES[NB_STORAGE[dtype]]
+    if wide:
+        n = L.LANES[types.uint16] // (2 if dtype == F64 else 1)
+    return n
+
+
+def _replay_tree(lanes, combine=np.add):
+    """The documented final order: parts (p0 . p1) . (p2 . p3), then halves."""
+    parts = np.split(lanes, L.PARTS)
+    while len(parts) > 1:
+        parts = [combine(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    v = parts[0]
+    while v.size > 1:
+        v = combine(v[:v.size // 2], v[v.size // 2:])
+    return v[0]
+
+
+def _blocks(values, count):
+    """values zero-padded to whole blocks of ``count`` lanes, one block per row."""
+    pad = (-values.size) % count
+    return np.concatenate([values, np.zeros(pad, values.dtype)]).reshape(-1, count)
+
+
+@njit(cache=False)
+def _sum_via_lanes(x):
+    n, step = x.shape[0], L.lanes(x)
+    s = L.lanes_zeros(x)
+    for c in range(0, n - step + 1, step):
+        s = s + L.lanes_load(x, c, step)
+    if n % step:
+        s = s + L.lanes_load(x, n - n % step, n % step)
+    return L.lanes_sum(s)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64, F16, BF16], ids=IDS.get)
+@pytest.mark.parametrize("cols", [1, 7, 31, 64, 100, 1000, 4096, 5003])
+def test_sum_follows_the_documented_order(dtype, cols):
+    rng = np.random.default_rng(cols)
+    x = _bits(rng.standard_normal(cols) * 3, dtype)
+    acc = _acc(dtype)
+    values = (x.view(dtype) if dtype in (F16, BF16) else x).astype(acc)
+    lanes = np.zeros(_count(dtype), acc)
+    for block in _blocks(values, lanes.size):
+        lanes = lanes + block                      # rounded in the accumulator type
+    want = _replay_tree(lanes)
+    got = _sum_via_lanes(x)
+    assert acc(got) == want, (got, want)
+    # the order matters: a sequential or pairwise sum differs (float32/float64; sums
+    # of halves in float32 are often exact in any order)
+    if cols >= 1000 and dtype in (F32, F64):
+        seq = acc(0)
+        for v in values:
+            seq = acc(seq + v)
+        assert not np.all([seq == got, np.sum(values) == got]), "test cannot tell orders apart"
+
+
+@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=IDS.get)
+@pytest.mark.parametrize("cols", [5, 64, 1000, 4099])
+def test_cpu_sum_sq_and_grad_sums_follow_the_documented_order(dtype, cols):
+    """The kernels' reductions themselves, replayed: (x - center)**2 and x - center
+    per lane, dy * weight * (x - center) * scale with the zero-padded lanes masked."""
+    rng = np.random.default_rng(cols + 1)
+    acc = _acc(dtype)
+    x = _bits(rng.standard_normal(cols) + 0.5, dtype)
+    dy = _bits(rng.standard_normal(cols), dtype)
+    w = _bits(1 + 0.1 * rng.standard_normal(cols), dtype)
+    xv, dyv, wv = ((a.view(dtype) if dtype == BF16 else a).astype(acc) for a in (x, dy, w))
+    center, scale = acc(0.3), acc(1.7)
+    count = _count(dtype)
+    # block by block, the zero-padded tail masked where the kernels mask it
+    ss = sd = dot = gsum = np.zeros(count, acc)
+    for b, (xb, dyb, wb) in enumerate(zip(_blocks(xv, count), _blocks(dyv, count),
+                                          _blocks(wv, count))):
+        keep = b * count + np.arange(count) < cols
+        d = np.where(keep, xb - center, acc(0))
+        ss = ss + d * d
+        sd = sd + d
+        g = dyb * wb
+        dot = dot + np.where(keep, g * ((xb - center) * scale), acc(0))
+        gsum = gsum + g
+    got_ss, got_sd = cpu._sum_sq(x, center)
+    got_dot, got_gsum = cpu._grad_sums(dy, w, x, center, scale)
+    assert (got_ss, got_sd) == (_replay_tree(ss), _replay_tree(sd))
+    assert (got_dot, got_gsum) == (_replay_tree(dot), _replay_tree(gsum))
+
+
+@njit(cache=False)
+def _exp_sum(x, m, scratch):
+    return cpu._exp_sum(x, m, scratch)
+
+
+@pytest.mark.parametrize("cols", [3, 64, 1000, 4096])
+def test_exp_sum_uses_wide_lanes_and_fills_scratch(cols):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(cols).astype(np.float32)
+    m = np.float32(x.max())
+    scratch = np.full(cols + 8, np.nan, np.float32)
+    s = _exp_sum(x, m, scratch[:cols])
+    assert np.all(np.isnan(scratch[cols:])), "wrote past the row"
+    e = scratch[:cols]
+    # exp is within 1 ulp of the float32 difference the kernel forms
+    np.testing.assert_allclose(e, np.exp((x - m).astype(np.float64)), rtol=2.5e-7)
+    lanes = np.zeros(_count(F32, wide=True), np.float32)
+    for block in _blocks(e, lanes.size):
+        lanes = lanes + block
+    assert s == _replay_tree(lanes)
+
+
+@njit(cache=False)
+def _copy_converted(src, dst, k):
+    """dst[c:c+k] = src[c:c+k] block by block through lanes of dst's type."""
+    n = src.shape[0]
+    like = L.lanes_zeros(dst)
+    step = L.lanes_count(like)
+    for c in range(0, n, step):
+        kk = min(step, n - c, k)
+        L.lanes_store(dst, c, L.lanes_load_like(src, c, kk, like), kk)
+
+
+@pytest.mark.parametrize("half", [F16, BF16], ids=IDS.get)
+def test_block_narrow_matches_numpy_bits(half):
+    """Vector rounding float32 -> float16/bfloat16, every class of value (the same
+    cases as the scalar conversions in test_dtypes)."""
+    v = F32_CASES
+    out = np.empty(v.size, STORAGE[half])
+    _copy_converted(v, out, 1 << 30)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = v.astype(half)
+    got = out.view(half)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
+@pytest.mark.parametrize("half", [F16, BF16], ids=IDS.get)
+def test_block_widen_matches_numpy_bits(half):
+    bits = ALL16.view(STORAGE[half])
+    out = np.empty(bits.size, np.float32)
+    _copy_converted(bits, out, 1 << 30)
+    with np.errstate(invalid="ignore"):
+        want = ALL16.view(half).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(out), nan)
+    assert np.array_equal(out[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64, F16, BF16], ids=IDS.get)
+@pytest.mark.parametrize("k", [0, 1, 5, 17])
+def test_partial_blocks_touch_only_their_elements(dtype, k):
+    """A partial load reads k elements (the rest of the lanes are 0) and a partial
+    store writes k: the poisoned elements around them stay as they were."""
+    rng = np.random.default_rng(k)
+    count = _count(dtype)
+    src = _bits(rng.standard_normal(3 * count) + 2, dtype)
+    poison = np.frombuffer(b"\x7f" * (3 * count * src.itemsize), src.dtype).copy()
+    dst = poison.copy()
+    _copy_converted(src[count:], dst[count:], k)      # every block stores k elements
+    for b in range(2):
+        lo = count * (b + 1)
+        assert np.array_equal(dst[lo:lo + k], src[lo:lo + k])
+        assert np.array_equal(dst[lo + k:lo + count], poison[lo + k:lo + count])
+    assert np.array_equal(dst[:count], poison[:count])
+    tail = _bits(rng.standard_normal(k) + 2, dtype)
+    values = (tail.view(dtype) if dtype in (F16, BF16) else tail).astype(_acc(dtype))
+    assert _sum_via_lanes(tail) == (_replay_tree(_blocks(values, count).sum(0))
+                                    if k else 0)
