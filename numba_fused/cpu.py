@@ -251,10 +251,11 @@ def _exp_sum_block(x, m, scratch, s, c, k):
 def _softmax_fwd_stage(xa, xb, mb, sb, sc, inv, yc):
     """One pass over three rows of the pipelined forward (``_softmax_fwd_rows``):
     returns (max(xa), sum(sb)) with sb = exp(xb - mb), and stores yc = sc * inv.
-    Lanes by the storage type (ymm for float32), not wide ones as ``_exp_sum``: with
-    three rows streaming, float32 4096x4096 ran 1.04-1.08x faster (ab.py --evict
-    256, 15 rounds, 2026-12-04; 65536x1024 and float64 0.93-1.00)."""
-    s = lanes_zeros(xa)
+    The same (wide) lanes as ``_exp_sum``, so a row gets the same bits pipelined or
+    not: batch-invariant. (ymm lanes here ran float32 4096x4096 1.04-1.08x faster,
+    but ymm in ``_exp_sum`` cost 0.85-0.95x on the row-by-row shapes; ab.py --evict
+    256, 15 rounds, 2026-12-04.)"""
+    s = wide_lanes_zeros(xa)
     m = s + acc(xa, -np.inf)
     n, step = xa.shape[0], lanes_count(s)
     for c in range(0, n - step + 1, step):

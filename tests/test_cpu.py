@@ -1028,3 +1028,36 @@ def test_non_contiguous_layouts_run_unit_stride_loops():
         asm = fresh.inspect_asm(fresh.signatures[0])
         assert "gather" not in asm, f"{name}: strided (gather) loads"
         assert len(re.findall(r"\bv(?:mul|add|sub|fmadd\w*)ps\s+%?[yz]mm", asm)) >= 4, name
+
+
+def _row_results(x, dy, w):
+    """Forward outputs and backward dx of every op for the rows of x (bytes per row)."""
+    y_sm = nf.softmax_fwd(x)
+    y_rms, rstd = nf.rms_norm_fwd(x, w)
+    y_ln, mean, ln_rstd = nf.layer_norm_fwd(x, w, w)
+    outs = (y_sm, nf.softmax_bwd(y_sm, dy), y_rms, nf.rms_norm_bwd(dy, x, w, rstd)[0],
+            y_ln, nf.layer_norm_bwd(dy, x, w, w, mean, ln_rstd)[0])
+    return [[o[r].tobytes() for o in outs] for r in range(x.shape[0])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("cols", [7, 333, 1000, 4096])
+def test_rows_are_batch_invariant(dtype, cols):
+    """A row's forward outputs and dx have the same bits alone, in a batch of 40
+    (row by row) and in one of 80 (pipelined forwards), with the serial and the
+    parallel kernels: every sum runs in the same lanes in the same order on every
+    path (``numba_fused/_lanes.py``). dweight/dbias sum over the batch, so they are
+    left out."""
+    rng = np.random.default_rng(cols)
+    x = (2 * rng.standard_normal((80, cols)) + 0.5).astype(dtype)
+    dy = rng.standard_normal((80, cols)).astype(dtype)
+    w = (1 + 0.1 * rng.standard_normal(cols)).astype(dtype)
+    with cpu.forced(parallel=False):
+        alone = [_row_results(x[r:r + 1], dy[r:r + 1], w)[0] for r in range(0, 80, 7)]
+    for parallel in (False, True):
+        with cpu.forced(parallel):
+            batched = (_row_results(x, dy, w), _row_results(x[:40], dy[:40], w)
+                       + _row_results(x[40:], dy[40:], w))
+        for rows in batched:
+            for k, r in enumerate(range(0, 80, 7)):
+                assert rows[r] == alone[k], f"row {r} (parallel={parallel})"
