@@ -19,6 +19,8 @@ inlined or not, JIT-compiled or loaded from the cache.
 
 Functions (jitted code only):
 
+Arrays are C-contiguous 1-D arrays or their data pointers (``data(a)``).
+
 * ``lanes(arr)`` -- the lane count for arr's accumulator type (a constant).
 * ``lanes_load(arr, c, k)`` -- arr[c:c+k] widened to the accumulator type, k <=
   lanes(arr); lanes k and up are 0. ``lanes_load_like(arr, c, k, v)``: in v's type.
@@ -30,7 +32,8 @@ Functions (jitted code only):
 * ``+``, ``-``, ``*`` between lanes and lanes or a scalar (splatted), and the
   ``_vecmath`` primitives (fma, fmax, clamps, the exp scaling) accept lanes.
 
-The constant ``k == lanes(arr)`` of a full block folds the masking away.
+Partial blocks use LLVM's masked loads and stores (nothing read or written past
+k); the constant ``k == lanes(arr)`` of a full block folds the masks away.
 """
 import operator
 
@@ -142,6 +145,8 @@ def result_lanes(*tys):
 
 
 def _elem_pointer(context, builder, aty, arr, c):
+    if isinstance(aty, types.CPointer):
+        return builder.gep(arr, [c], inbounds=True)
     data = context.make_array(aty)(context, builder, arr).data
     return builder.gep(data, [c], inbounds=True)
 
@@ -155,8 +160,33 @@ def _part_pointers(builder, ptr, part_ty):
 
 # --------------------------------------------------------------- typing
 def _is_lanes_array(arr):
-    return (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == 'C'
+    """A C-contiguous 1-D array or a data pointer of a storage type."""
+    return ((isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == 'C'
+             or isinstance(arr, types.CPointer))
             and arr.dtype in (types.int16, types.uint16, types.float32, types.float64))
+
+
+def data(a):
+    """The data pointer of a C-contiguous 1-D array (None for None): lanes code
+    takes pointers, which carry no reference count to take and release per call."""
+    raise NotImplementedError
+
+
+@intrinsic
+def _data_pointer(typingctx, arr):
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == 'C'):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return context.make_array(sig.args[0])(context, builder, args[0]).data
+    return types.CPointer(arr.dtype)(arr), codegen
+
+
+@overload(data)
+def _data_impl(a):
+    if isinstance(a, types.NoneType):
+        return lambda a: None
+    return lambda a: _data_pointer(a)
 
 
 @intrinsic
@@ -206,6 +236,41 @@ def lanes_count(typingctx, v):
     return types.intp(v), codegen
 
 
+def _masks(builder, k, part_count):
+    """Per part, the lanes i * part_count + j < k (all true for k == lanes: folded)."""
+    ity = ir.VectorType(k.type, part_count)
+    kk = splat(builder, k, ity)
+    return [builder.icmp_signed('<', ir.Constant(ity, [ir.Constant(k.type, i * part_count + j)
+                                                       for j in range(part_count)]), kk)
+            for i in range(PARTS)]
+
+
+def _vector_suffix(vty):
+    elem = vty.element
+    name = {ir.FloatType(): "f32", ir.DoubleType(): "f64"}.get(elem) or f"i{elem.width}"
+    return f"v{vty.count}{name}"
+
+
+def _masked_load(builder, ptr, mask, size):
+    """llvm.masked.load of ``ptr``'s vector type: lanes off the mask read nothing and
+    are 0 (AVX-512: one masked vmovups; never faults past the row)."""
+    vty = ptr.type.pointee
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vty, [ptr.type, ir.IntType(32), mask.type, vty]),
+        f"llvm.masked.load.{_vector_suffix(vty)}.p0")
+    return builder.call(fn, [ptr, ir.Constant(ir.IntType(32), size), mask,
+                             ir.Constant(vty, None)])
+
+
+def _masked_store(builder, value, ptr, mask, size):
+    """llvm.masked.store: only the lanes on the mask are written."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [value.type, ptr.type, ir.IntType(32),
+                                                        mask.type]),
+        f"llvm.masked.store.{_vector_suffix(value.type)}.p0")
+    builder.call(fn, [value, ptr, ir.Constant(ir.IntType(32), size), mask])
+
+
 def _load_codegen(lt):
     """Codegen of a lanes load of arr[c:c+k] into Lanes ``lt``."""
     def codegen(context, builder, sig, args):
@@ -215,29 +280,11 @@ def _load_codegen(lt):
         size = context.get_abi_sizeof(sty)
         part_ty = ir.VectorType(sty, lt.count // PARTS)
         ptr = _elem_pointer(context, builder, aty, arr, c)
-        full = builder.icmp_signed('==', k, ir.Constant(k.type, lt.count))
-        with builder.if_else(full) as (then, otherwise):
-            with then:
-                whole = [builder.load(p, align=size) for p in _part_pointers(builder, ptr, part_ty)]
-                then_block = builder.block
-            with otherwise:
-                # a partial block: k elements copied into a zeroed buffer (never
-                # reads past the row)
-                buf = cgutils.alloca_once(builder, ir.ArrayType(sty, lt.count))
-                builder.store(ir.Constant(buf.type.pointee, None), buf)
-                base = builder.bitcast(buf, sty.as_pointer())
-                cgutils.raw_memcpy(builder, base, ptr, k, size)
-                part = [builder.load(p) for p in _part_pointers(builder, base, part_ty)]
-                else_block = builder.block
         elem = context.get_value_type(lt.dtype)
-        raws = []
-        for w, p in zip(whole, part):
-            raws.append(builder.phi(part_ty))
-            raws[-1].add_incoming(w, then_block)
-            raws[-1].add_incoming(p, else_block)
         parts = []
-        for raw in raws:
-            value = widen_ir(builder, raw, aty.dtype)
+        for p, mask in zip(_part_pointers(builder, ptr, part_ty),
+                           _masks(builder, k, part_ty.count)):
+            value = widen_ir(builder, _masked_load(builder, p, mask, size), aty.dtype)
             if value.type.element != elem:
                 value = builder.fpext(value, ir.VectorType(elem, part_ty.count))
             parts.append(value)
@@ -280,19 +327,10 @@ def lanes_store(typingctx, arr, c, v, k):
         sty = context.get_data_type(aty.dtype)
         size = context.get_abi_sizeof(sty)
         part_ty = ir.VectorType(sty, lt.count // PARTS)
-        parts = [narrow_ir(builder, p, aty.dtype) for p in split(builder, v)]
         ptr = _elem_pointer(context, builder, aty, arr, c)
-        full = builder.icmp_signed('==', k, ir.Constant(k.type, lt.count))
-        with builder.if_else(full) as (then, otherwise):
-            with then:
-                for p, q in zip(parts, _part_pointers(builder, ptr, part_ty)):
-                    builder.store(p, q, align=size)
-            with otherwise:
-                buf = cgutils.alloca_once(builder, ir.ArrayType(sty, lt.count))
-                base = builder.bitcast(buf, sty.as_pointer())
-                for p, q in zip(parts, _part_pointers(builder, base, part_ty)):
-                    builder.store(p, q)
-                cgutils.raw_memcpy(builder, ptr, base, k, size)
+        for value, p, mask in zip(split(builder, v), _part_pointers(builder, ptr, part_ty),
+                                  _masks(builder, k, part_ty.count)):
+            _masked_store(builder, narrow_ir(builder, value, aty.dtype), p, mask, size)
         return context.get_dummy_value()
     return types.void(arr, types.intp, v, types.intp), codegen
 

@@ -44,6 +44,7 @@ from llvmlite import ir
 from ._dtypes import acc, narrow, widen
 from ._lanes import (lanes, lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
+from ._lanes import data as _data
 from ._vecmath import fexp_nonpos, fmax
 
 # Reductions are compiled with reassociation so LLVM vectorizes them (several
@@ -62,9 +63,10 @@ _reduction = njit(fastmath=set(FLAGS), cache=True, nogil=True, error_model='nump
 #: every sum is fixed by the code, whichever copy of a function runs (a
 #: reassociated loop let LLVM choose it per compilation, and the serial and
 #: parallel builds and the on-disk cache each held a copy compiled differently)
-#: Inlined (numba IR) like the row functions: as calls they cost ~120-200 ns
-#: each (NRT reference counts of their array arguments; measured 2026-12-04).
-_lanes_fn = njit(nogil=True, error_model='numpy', inline='always')
+#: On data pointers, called (not inlined: inlined into every driver they doubled
+#: the compile time, 2m15 -> 4m for float32 and float16; 2026-12-04), and given
+#: pointers because array arguments cost 120-200 ns per call (NRT reference counts).
+_lanes_fn = njit(cache=True, nogil=True, error_model='numpy')
 
 
 def _prefer_512(context, builder, sig, args):
@@ -228,11 +230,18 @@ def _max(x):
 # ``_lanes``): a loop over whole blocks and one call for the zero-padded last
 # block, both through the same inlined block function, whose ``k == lanes(x)``
 # masking folds away in the loop.
-@_lanes_fn
+@_row
 def _exp_sum(x, m, scratch):
     """scratch = exp(x - m); returns sum(scratch)."""
+    return _exp_sum_at(x.shape[0], _data(x), m, _data(scratch))
+
+
+@_lanes_fn
+def _exp_sum_at(n, x, m, scratch):
+    """``_exp_sum`` on data pointers (no reference counts to take: as a call
+    it costs what a call costs)."""
     s = wide_lanes_zeros(x)
-    n, step = x.shape[0], lanes_count(s)
+    step = lanes_count(s)
     for c in range(0, n - step + 1, step):
         s = _exp_sum_block(x, m, scratch, s, c, step)
     if n % step:
@@ -247,7 +256,7 @@ def _exp_sum_block(x, m, scratch, s, c, k):
     return s + e
 
 
-@_lanes_fn
+@_row
 def _softmax_fwd_stage(xa, xb, mb, sb, sc, inv, yc):
     """One pass over three rows of the pipelined forward (``_softmax_fwd_rows``):
     returns (max(xa), sum(sb)) with sb = exp(xb - mb), and stores yc = sc * inv.
@@ -255,9 +264,16 @@ def _softmax_fwd_stage(xa, xb, mb, sb, sc, inv, yc):
     not: batch-invariant. (ymm lanes here ran float32 4096x4096 1.04-1.08x faster,
     but ymm in ``_exp_sum`` cost 0.85-0.95x on the row-by-row shapes; ab.py --evict
     256, 15 rounds, 2026-12-04.)"""
+    return _softmax_fwd_stage_at(xa.shape[0], _data(xa), _data(xb), mb, _data(sb), _data(sc), inv, _data(yc))
+
+
+@_lanes_fn
+def _softmax_fwd_stage_at(n, xa, xb, mb, sb, sc, inv, yc):
+    """``_softmax_fwd_stage`` on data pointers (no reference counts to take: as a call
+    it costs what a call costs)."""
     s = wide_lanes_zeros(xa)
     m = s + acc(xa, -np.inf)
-    n, step = xa.shape[0], lanes_count(s)
+    step = lanes_count(s)
     for c in range(0, n - step + 1, step):
         m, s = _softmax_fwd_block(xa, xb, mb, sb, sc, inv, yc, m, s, c, step)
     if n % step:
@@ -274,10 +290,17 @@ def _softmax_fwd_block(xa, xb, mb, sb, sc, inv, yc, m, s, c, k):
     return m, s + e
 
 
-@_lanes_fn
+@_row
 def _sum_sq(x, center):
     """(sum((x - center)**2), sum(x - center))."""
-    n, step = x.shape[0], lanes(x)
+    return _sum_sq_at(x.shape[0], _data(x), center)
+
+
+@_lanes_fn
+def _sum_sq_at(n, x, center):
+    """``_sum_sq`` on data pointers (no reference counts to take: as a call
+    it costs what a call costs)."""
+    step = lanes(x)
     ss = sd = lanes_zeros(x)
     for c in range(0, n - step + 1, step):
         ss, sd = _sum_sq_block(x, center, ss, sd, c, step)
@@ -292,10 +315,17 @@ def _sum_sq_block(x, center, ss, sd, c, k):
     return ss + d * d, sd + d
 
 
-@_lanes_fn
+@_row
 def _moments(x, center, scale):
     """(sum(x * scale), sum((x - center)**2), sum(x - center))."""
-    n, step = x.shape[0], lanes(x)
+    return _moments_at(x.shape[0], _data(x), center, scale)
+
+
+@_lanes_fn
+def _moments_at(n, x, center, scale):
+    """``_moments`` on data pointers (no reference counts to take: as a call
+    it costs what a call costs)."""
+    step = lanes(x)
     sm = ss = sd = lanes_zeros(x)
     for c in range(0, n - step + 1, step):
         sm, ss, sd = _moments_block(x, center, scale, sm, ss, sd, c, step)
@@ -311,10 +341,17 @@ def _moments_block(x, center, scale, sm, ss, sd, c, k):
     return sm + lanes_keep(v * scale, k, acc(x, 0.0)), ss + d * d, sd + d
 
 
-@_lanes_fn
+@_row
 def _grad_sums(dy, weight, x, center, scale):
     """With g = dy * weight and xhat = (x - center) * scale: (sum(g * xhat), sum(g))."""
-    n, step = x.shape[0], lanes(x)
+    return _grad_sums_at(x.shape[0], _data(dy), _data(weight), _data(x), center, scale)
+
+
+@_lanes_fn
+def _grad_sums_at(n, dy, weight, x, center, scale):
+    """``_grad_sums`` on data pointers (no reference counts to take: as a call
+    it costs what a call costs)."""
+    step = lanes(x)
     dot = gsum = lanes_zeros(x)
     for c in range(0, n - step + 1, step):
         dot, gsum = _grad_sums_block(dy, weight, x, center, scale, dot, gsum, c, step)
@@ -402,11 +439,18 @@ def _rms_norm_fwd_row(x, weight, eps, y):
     return rstd
 
 
-@_lanes_fn
+@_row
 def _rms_norm_fwd_stage(xa, xc, weight, rstd, yc):
     """One pass of the pipelined forward (``_rms_norm_fwd_rows``): returns
     sum(xa**2) and stores yc = xc * rstd * weight."""
-    n, step = xa.shape[0], lanes(xa)
+    return _rms_norm_fwd_stage_at(xa.shape[0], _data(xa), _data(xc), _data(weight), rstd, _data(yc))
+
+
+@_lanes_fn
+def _rms_norm_fwd_stage_at(n, xa, xc, weight, rstd, yc):
+    """``_rms_norm_fwd_stage`` on data pointers (no reference counts to take: as a call
+    it costs what a call costs)."""
+    step = lanes(xa)
     ss = lanes_zeros(xa)
     for c in range(0, n - step + 1, step):
         ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c, step)
@@ -545,11 +589,18 @@ def _layer_norm_stats(x, sums, inv_cols, eps):
     return mean, acc(x, 1.0) / np.sqrt(var + acc(x, eps))
 
 
-@_lanes_fn
+@_row
 def _layer_norm_fwd_stage(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
     """One pass of the pipelined forward (``_layer_norm_fwd_rows``): returns
     _moments(xa, m0, inv_cols) and stores yc = (xc - mean) * rstd * weight + bias."""
-    n, step = xa.shape[0], lanes(xa)
+    return _layer_norm_fwd_stage_at(xa.shape[0], _data(xa), m0, inv_cols, _data(xc), _data(weight), _data(bias), mean, rstd, _data(yc))
+
+
+@_lanes_fn
+def _layer_norm_fwd_stage_at(n, xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
+    """``_layer_norm_fwd_stage`` on data pointers (no reference counts to take: as a call
+    it costs what a call costs)."""
+    step = lanes(xa)
     sm = ss = sd = lanes_zeros(xa)
     for c in range(0, n - step + 1, step):
         sm, ss, sd = _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
