@@ -101,6 +101,12 @@ def from_storage(a, dtype):
     return a if a.dtype == dtype else a.view(dtype)
 
 
+def acc_numba_type(storage):
+    """The accumulator numba type for a numba storage type (float64 for float64,
+    else float32): the policy above, in jitted code's typing."""
+    return types.float64 if storage == types.float64 else types.float32
+
+
 # ---------------------------------------------------------------- intrinsics
 # The conversions are written once as IR helpers that take a scalar or a vector
 # (``_lanes`` converts whole blocks with them; the scalar intrinsics below wrap them).
@@ -264,6 +270,6 @@ def _narrow(value, out):
 
 @overload(acc, target='generic')
 def _acc(arr, value):
-    if arr.dtype == types.float64:
+    if acc_numba_type(arr.dtype) == types.float64:
         return lambda arr, value: np.float64(value)
     return lambda arr, value: np.float32(value)

@@ -9,7 +9,7 @@ and the linker resolved the shared symbol to whichever copy was loaded first.
 Measured 2026-12-04: with the parallel build cached, a process that loaded both
 builds from the cache computed the *serial* softmax 1 ulp off on some rows.
 
-Here the order is in the code: a row is read ``lanes(arr)`` elements at a time
+Here the order is in the code: a row is read a block of lanes at a time
 as four LLVM vectors of one register each (``Lanes``: four independent
 accumulator chains; ``LANES``), every lane accumulates its
 own column residue class, the last partial block is zero-padded, and
@@ -21,19 +21,19 @@ Functions (jitted code only):
 
 Arrays are C-contiguous 1-D arrays or their data pointers (``data(a)``).
 
-* ``lanes(arr)`` -- the lane count for arr's accumulator type (a constant).
+* ``lanes_zeros(arr)``, ``wide_lanes_zeros(arr)`` (zmm parts) -- zero lanes of
+  arr's accumulator type; ``lanes_count(v)`` -- their count (a constant).
 * ``lanes_load(arr, c, k)`` -- arr[c:c+k] widened to the accumulator type, k <=
-  lanes(arr); lanes k and up are 0. ``lanes_load_like(arr, c, k, v)``: in v's type.
+  the lane count; lanes k and up are 0. ``lanes_load_like(arr, c, k, v)``: in v's type.
 * ``lanes_store(arr, c, v, k)`` -- arr[c:c+k] = the first k lanes of v, rounded
   to arr's storage type once.
-* ``lanes_zeros(arr)``, ``wide_lanes_zeros(arr)`` (zmm parts), ``lanes_count(v)``.
 * ``lanes_keep(v, k, fill)`` -- lanes k and up replaced by ``fill``.
 * ``lanes_sum(v)``, ``lanes_max(v)`` -- tree sum, IEEE maximum (NaN propagates).
 * ``+``, ``-``, ``*`` between lanes and lanes or a scalar (splatted), and the
   ``_vecmath`` primitives (fma, fmax, clamps, the exp scaling) accept lanes.
 
 Partial blocks use LLVM's masked loads and stores (nothing read or written past
-k); the constant ``k == lanes(arr)`` of a full block folds the masks away.
+k); a full block's constant k folds the masks away.
 """
 import operator
 
@@ -43,7 +43,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, overload, register_model
 
-from ._dtypes import narrow_ir, widen_ir
+from ._dtypes import acc_numba_type, narrow_ir, widen_ir
 
 #: lanes by storage type, in four parts of one register each: zmm for float16/
 #: bfloat16 rows (their conversions gain from the width), ymm for float32/float64
@@ -75,13 +75,9 @@ class _LanesModel(models.PrimitiveModel):
         super().__init__(dmm, fe_type, ir.ArrayType(part, PARTS))
 
 
-def _acc_of(dtype):
-    return types.float64 if dtype == types.float64 else types.float32
-
-
 def lanes_type(dtype):
     """Lanes of the accumulator type for an array of storage type ``dtype``."""
-    return Lanes(_acc_of(dtype), LANES[dtype])
+    return Lanes(acc_numba_type(dtype), LANES[dtype])
 
 
 # ------------------------------------------------------------ IR helpers
@@ -93,15 +89,18 @@ def splat(builder, value, vty):
     return builder.shuffle_vector(one, undef, zeros)
 
 
+def _type_suffix(ty):
+    """LLVM's overload suffix of a scalar or vector type: f32, v8f32, v16i16..."""
+    if isinstance(ty, ir.VectorType):
+        return f"v{ty.count}{_type_suffix(ty.element)}"
+    return {ir.FloatType(): "f32", ir.DoubleType(): "f64"}.get(ty) or f"i{ty.width}"
+
+
 def float_intrinsic(builder, name, ty, nargs):
     """The LLVM intrinsic ``name`` (llvm.fma, llvm.maximum) for the float type or
     float vector type ``ty`` (llvmlite names only scalar overloads itself)."""
-    elem = ty.element if isinstance(ty, ir.VectorType) else ty
-    suffix = {ir.FloatType(): "f32", ir.DoubleType(): "f64"}[elem]
-    if isinstance(ty, ir.VectorType):
-        suffix = f"v{ty.count}{suffix}"
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * nargs),
-                                          f"{name}.{suffix}")
+                                          f"{name}.{_type_suffix(ty)}")
 
 
 def split(builder, value):
@@ -145,10 +144,10 @@ def result_lanes(*tys):
 
 
 def _elem_pointer(context, builder, aty, arr, c):
-    if isinstance(aty, types.CPointer):
-        return builder.gep(arr, [c], inbounds=True)
-    data = context.make_array(aty)(context, builder, arr).data
-    return builder.gep(data, [c], inbounds=True)
+    """&arr[c] for an array or a data pointer."""
+    if not isinstance(aty, types.CPointer):
+        arr = context.make_array(aty)(context, builder, arr).data
+    return builder.gep(arr, [c], inbounds=True)
 
 
 def _part_pointers(builder, ptr, part_ty):
@@ -187,18 +186,6 @@ def _data_impl(a):
     if isinstance(a, types.NoneType):
         return lambda a: None
     return lambda a: _data_pointer(a)
-
-
-@intrinsic
-def lanes(typingctx, arr):
-    """The lane count for arr's storage type (a compile-time constant)."""
-    if not _is_lanes_array(arr):
-        return None
-    count = lanes_type(arr.dtype).count
-
-    def codegen(context, builder, sig, args):
-        return context.get_constant(types.intp, count)
-    return types.intp(arr), codegen
 
 
 def _zeros(wide):
@@ -245,19 +232,13 @@ def _masks(builder, k, part_count):
             for i in range(PARTS)]
 
 
-def _vector_suffix(vty):
-    elem = vty.element
-    name = {ir.FloatType(): "f32", ir.DoubleType(): "f64"}.get(elem) or f"i{elem.width}"
-    return f"v{vty.count}{name}"
-
-
 def _masked_load(builder, ptr, mask, size):
     """llvm.masked.load of ``ptr``'s vector type: lanes off the mask read nothing and
     are 0 (AVX-512: one masked vmovups; never faults past the row)."""
     vty = ptr.type.pointee
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(vty, [ptr.type, ir.IntType(32), mask.type, vty]),
-        f"llvm.masked.load.{_vector_suffix(vty)}.p0")
+        f"llvm.masked.load.{_type_suffix(vty)}.p0")
     return builder.call(fn, [ptr, ir.Constant(ir.IntType(32), size), mask,
                              ir.Constant(vty, None)])
 
@@ -267,7 +248,7 @@ def _masked_store(builder, value, ptr, mask, size):
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [value.type, ptr.type, ir.IntType(32),
                                                         mask.type]),
-        f"llvm.masked.store.{_vector_suffix(value.type)}.p0")
+        f"llvm.masked.store.{_type_suffix(value.type)}.p0")
     builder.call(fn, [value, ptr, ir.Constant(ir.IntType(32), size), mask])
 
 
@@ -294,7 +275,7 @@ def _load_codegen(lt):
 
 @intrinsic
 def lanes_load(typingctx, arr, c, k):
-    """arr[c:c+k] widened into lanes (k <= lanes(arr)); lanes k and up are 0."""
+    """arr[c:c+k] widened into lanes (k <= their count); lanes k and up are 0."""
     if not (_is_lanes_array(arr) and isinstance(c, types.Integer)
             and isinstance(k, types.Integer)):
         return None
@@ -345,16 +326,10 @@ def lanes_keep(typingctx, v, k, fill):
     def codegen(context, builder, sig, args):
         v, k, fill = args
         parts = split(builder, v)
-        n = parts[0].type.count
         fill = splat(builder, context.cast(builder, fill, sig.args[2], sig.args[0].dtype),
                      parts[0].type)
-        ity = ir.VectorType(k.type, n)
-        kept = []
-        for i, part in enumerate(parts):
-            idx = ir.Constant(ity, [ir.Constant(k.type, i * n + j) for j in range(n)])
-            kept.append(builder.select(builder.icmp_signed('<', idx, splat(builder, k, ity)),
-                                       part, fill))
-        return join(builder, kept)
+        return join(builder, [builder.select(mask, part, fill) for part, mask
+                              in zip(parts, _masks(builder, k, parts[0].type.count))])
     return v(v, types.intp, fill), codegen
 
 

@@ -91,21 +91,14 @@ def _clamp_below(typingctx, x, lo):
 def _fma(typingctx, a, b, c):
     """a * b + c with one rounding (llvm.fma: vfmadd on x86-64). Explicit, so the
     same bits whether numba JIT-compiles or loads cached code (unlike 'contract')."""
-    lt = result_lanes(a, b, c)
-    if lt is not None:           # lanes, scalars splatted
-        def codegen(context, builder, sig, args):
-            return apply(context, builder, sig, args, lambda b, x, y, z: b.call(
-                float_intrinsic(b, "llvm.fma", x.type, 3), [x, y, z]))
-        return lt(a, b, c), codegen
-    if not (a == b == c and isinstance(a, types.Float)):
+    lt = result_lanes(a, b, c)   # lanes, scalars splatted
+    if lt is None and not (a == b == c and isinstance(a, types.Float)):
         return None
 
     def codegen(context, builder, sig, args):
-        ty = args[0].type
-        fn = builder.module.declare_intrinsic("llvm.fma", [ty],
-                                              ir.FunctionType(ty, [ty, ty, ty]))
-        return builder.call(fn, args)
-    return a(a, a, a), codegen
+        return apply(context, builder, sig, args, lambda b, x, y, z: b.call(
+            float_intrinsic(b, "llvm.fma", x.type, 3), [x, y, z]))
+    return (lt or a)(a, b, c), codegen
 
 
 def _scale_shifted_intrinsic(fty, bits, bias, magic, shift):

@@ -42,13 +42,13 @@ from numba.extending import intrinsic, overload
 from llvmlite import ir
 
 from ._dtypes import acc, narrow, widen
-from ._lanes import (lanes, lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store,
+from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
 from ._lanes import data as _data
 from ._vecmath import fexp_nonpos, fmax
 
-# Reductions are compiled with reassociation so LLVM vectorizes them (several
-# partial sums); no nnan/ninf, which would break -inf masking and NaN
+# Fast-math flags: reassociation only where the order cannot change the result
+# (``_max``); no nnan/ninf, which would break -inf masking and NaN
 # propagation. Everything elementwise (the stores) is compiled strictly: LLVM
 # emits a vector and a scalar version of each loop and picks one at run time by
 # aliasing (out=dy takes the scalar one), and with reassociation the two rounded
@@ -62,10 +62,10 @@ _reduction = njit(fastmath=set(FLAGS), cache=True, nogil=True, error_model='nump
 #: the sums: explicit lanes (``_lanes``) and no fast-math flags, so the order of
 #: every sum is fixed by the code, whichever copy of a function runs (a
 #: reassociated loop let LLVM choose it per compilation, and the serial and
-#: parallel builds and the on-disk cache each held a copy compiled differently)
-#: On data pointers, called (not inlined: inlined into every driver they doubled
-#: the compile time, 2m15 -> 4m for float32 and float16; 2026-12-04), and given
-#: pointers because array arguments cost 120-200 ns per call (NRT reference counts).
+#: parallel builds and the on-disk cache each held a copy compiled differently).
+#: Called, not inlined (inlined into every driver they doubled the compile time,
+#: 2m15 -> 4m for float32 and float16; 2026-12-04), on data pointers, because
+#: array arguments cost 120-200 ns per call (NRT reference counts).
 _lanes_fn = njit(cache=True, nogil=True, error_model='numpy')
 
 
@@ -147,8 +147,9 @@ def _no_alias(typingctx):
     """Marks the data pointer of every array argument of the function being
     compiled ``noalias``: LLVM then vectorizes its loops without run-time overlap
     checks (the row-pair store loops below measured 0.21-0.82x of the row-by-row
-    code as plain inlined code, 0.96-1.60x as functions with this). Valid because of how the kernels are called: an output never shares
-    memory with another argument (the dispatcher rejects overlapping ``out=``, and
+    code as plain inlined code, 0.96-1.60x as functions with this). Valid because
+    of how the kernels are called: an output never shares memory with another
+    argument (the dispatcher rejects overlapping ``out=``, and
     an in-place backward passes dx as None and writes through dy), and arguments
     that do share memory are only read, which ``noalias`` allows."""
     def codegen(context, builder, sig, args):
@@ -226,10 +227,10 @@ def _max(x):
     return m
 
 
-# Every reduction below reads a row ``lanes(x)`` elements at a time (see
-# ``_lanes``): a loop over whole blocks and one call for the zero-padded last
-# block, both through the same inlined block function, whose ``k == lanes(x)``
-# masking folds away in the loop.
+# Every reduction below is a wrapper (inlined) passing data pointers to a
+# ``_lanes_fn``, which reads the row a block of lanes at a time (see ``_lanes``):
+# a loop over whole blocks and one call for the zero-padded last block, both
+# through the same inlined block function, whose masking folds away in the loop.
 @_row
 def _exp_sum(x, m, scratch):
     """scratch = exp(x - m); returns sum(scratch)."""
@@ -238,8 +239,7 @@ def _exp_sum(x, m, scratch):
 
 @_lanes_fn
 def _exp_sum_at(n, x, m, scratch):
-    """``_exp_sum`` on data pointers (no reference counts to take: as a call
-    it costs what a call costs)."""
+    """``_exp_sum`` on data pointers (see ``_lanes_fn``)."""
     s = wide_lanes_zeros(x)
     step = lanes_count(s)
     for c in range(0, n - step + 1, step):
@@ -264,13 +264,13 @@ def _softmax_fwd_stage(xa, xb, mb, sb, sc, inv, yc):
     not: batch-invariant. (ymm lanes here ran float32 4096x4096 1.04-1.08x faster,
     but ymm in ``_exp_sum`` cost 0.85-0.95x on the row-by-row shapes; ab.py --evict
     256, 15 rounds, 2026-12-04.)"""
-    return _softmax_fwd_stage_at(xa.shape[0], _data(xa), _data(xb), mb, _data(sb), _data(sc), inv, _data(yc))
+    return _softmax_fwd_stage_at(xa.shape[0], _data(xa), _data(xb), mb, _data(sb), _data(sc),
+                                 inv, _data(yc))
 
 
 @_lanes_fn
 def _softmax_fwd_stage_at(n, xa, xb, mb, sb, sc, inv, yc):
-    """``_softmax_fwd_stage`` on data pointers (no reference counts to take: as a call
-    it costs what a call costs)."""
+    """``_softmax_fwd_stage`` on data pointers (see ``_lanes_fn``)."""
     s = wide_lanes_zeros(xa)
     m = s + acc(xa, -np.inf)
     step = lanes_count(s)
@@ -298,10 +298,9 @@ def _sum_sq(x, center):
 
 @_lanes_fn
 def _sum_sq_at(n, x, center):
-    """``_sum_sq`` on data pointers (no reference counts to take: as a call
-    it costs what a call costs)."""
-    step = lanes(x)
+    """``_sum_sq`` on data pointers (see ``_lanes_fn``)."""
     ss = sd = lanes_zeros(x)
+    step = lanes_count(ss)
     for c in range(0, n - step + 1, step):
         ss, sd = _sum_sq_block(x, center, ss, sd, c, step)
     if n % step:
@@ -323,10 +322,9 @@ def _moments(x, center, scale):
 
 @_lanes_fn
 def _moments_at(n, x, center, scale):
-    """``_moments`` on data pointers (no reference counts to take: as a call
-    it costs what a call costs)."""
-    step = lanes(x)
+    """``_moments`` on data pointers (see ``_lanes_fn``)."""
     sm = ss = sd = lanes_zeros(x)
+    step = lanes_count(ss)
     for c in range(0, n - step + 1, step):
         sm, ss, sd = _moments_block(x, center, scale, sm, ss, sd, c, step)
     if n % step:
@@ -349,10 +347,9 @@ def _grad_sums(dy, weight, x, center, scale):
 
 @_lanes_fn
 def _grad_sums_at(n, dy, weight, x, center, scale):
-    """``_grad_sums`` on data pointers (no reference counts to take: as a call
-    it costs what a call costs)."""
-    step = lanes(x)
+    """``_grad_sums`` on data pointers (see ``_lanes_fn``)."""
     dot = gsum = lanes_zeros(x)
+    step = lanes_count(dot)
     for c in range(0, n - step + 1, step):
         dot, gsum = _grad_sums_block(dy, weight, x, center, scale, dot, gsum, c, step)
     if n % step:
@@ -443,15 +440,15 @@ def _rms_norm_fwd_row(x, weight, eps, y):
 def _rms_norm_fwd_stage(xa, xc, weight, rstd, yc):
     """One pass of the pipelined forward (``_rms_norm_fwd_rows``): returns
     sum(xa**2) and stores yc = xc * rstd * weight."""
-    return _rms_norm_fwd_stage_at(xa.shape[0], _data(xa), _data(xc), _data(weight), rstd, _data(yc))
+    return _rms_norm_fwd_stage_at(xa.shape[0], _data(xa), _data(xc), _data(weight), rstd,
+                                  _data(yc))
 
 
 @_lanes_fn
 def _rms_norm_fwd_stage_at(n, xa, xc, weight, rstd, yc):
-    """``_rms_norm_fwd_stage`` on data pointers (no reference counts to take: as a call
-    it costs what a call costs)."""
-    step = lanes(xa)
+    """``_rms_norm_fwd_stage`` on data pointers (see ``_lanes_fn``)."""
     ss = lanes_zeros(xa)
+    step = lanes_count(ss)
     for c in range(0, n - step + 1, step):
         ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c, step)
     if n % step:
@@ -593,15 +590,15 @@ def _layer_norm_stats(x, sums, inv_cols, eps):
 def _layer_norm_fwd_stage(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
     """One pass of the pipelined forward (``_layer_norm_fwd_rows``): returns
     _moments(xa, m0, inv_cols) and stores yc = (xc - mean) * rstd * weight + bias."""
-    return _layer_norm_fwd_stage_at(xa.shape[0], _data(xa), m0, inv_cols, _data(xc), _data(weight), _data(bias), mean, rstd, _data(yc))
+    return _layer_norm_fwd_stage_at(xa.shape[0], _data(xa), m0, inv_cols, _data(xc),
+                                    _data(weight), _data(bias), mean, rstd, _data(yc))
 
 
 @_lanes_fn
 def _layer_norm_fwd_stage_at(n, xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
-    """``_layer_norm_fwd_stage`` on data pointers (no reference counts to take: as a call
-    it costs what a call costs)."""
-    step = lanes(xa)
+    """``_layer_norm_fwd_stage`` on data pointers (see ``_lanes_fn``)."""
     sm = ss = sd = lanes_zeros(xa)
+    step = lanes_count(ss)
     for c in range(0, n - step + 1, step):
         sm, ss, sd = _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
                                            yc, sm, ss, sd, c, step)

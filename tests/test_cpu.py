@@ -1042,16 +1042,15 @@ def _row_results(x, dy, w):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("cols", [7, 333, 1000, 4096])
-def test_rows_are_batch_invariant(dtype, cols):
+def test_rows_are_batch_invariant(rng, dtype, cols):
     """A row's forward outputs and dx have the same bits alone, in a batch of 40
     (row by row) and in one of 80 (pipelined forwards), with the serial and the
     parallel kernels: every sum runs in the same lanes in the same order on every
     path (``numba_fused/_lanes.py``). dweight/dbias sum over the batch, so they are
     left out."""
-    rng = np.random.default_rng(cols)
-    x = (2 * rng.standard_normal((80, cols)) + 0.5).astype(dtype)
-    dy = rng.standard_normal((80, cols)).astype(dtype)
-    w = (1 + 0.1 * rng.standard_normal(cols)).astype(dtype)
+    x = draw(rng, (80, cols), dtype, scale=2.0, loc=0.5)
+    dy = draw(rng, (80, cols), dtype)
+    w = draw_param(rng, cols, "x", dtype)
     with cpu.forced(parallel=False):
         alone = [_row_results(x[r:r + 1], dy[r:r + 1], w)[0] for r in range(0, 80, 7)]
     for parallel in (False, True):

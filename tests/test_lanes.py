@@ -3,41 +3,41 @@ the documented summation order, replayed in NumPy bit for bit (the order is the
 spec that makes every copy of a reduction agree: see the module docstring)."""
 import numpy as np
 import pytest
-from numba import njit, types
+from numba import njit
 
+from numba_fused import _dtypes as D
 from numba_fused import _lanes as L
 from numba_fused import cpu
-from conftest import BF16, F16, F32, F64
+from conftest import BF16, F16, F32, F64, acc_dtype, dtype_id
 from test_dtypes import ALL16, F32_CASES
-
-STORAGE = {F32: np.float32, F64: np.float64, F16: np.int16, BF16: np.uint16}
-NB_STORAGE = {F32: types.float32, F64: types.float64, F16: types.int16, BF16: types.uint16}
-IDS = {F32: "f32", F64: "f64", F16: "f16", BF16: "bf16"}
 
 
 def _bits(a, dtype):
-    return np.ascontiguousarray(a.astype(dtype)).view(STORAGE[dtype])
+    return np.ascontiguousarray(a.astype(dtype)).view(D.storage_dtype(dtype))
 
 
 def _acc(dtype):
-    return np.float64 if dtype == F64 else np.float32
+    return acc_dtype(dtype).type
+
+
+@njit(cache=False)
+def _lane_counts(x):
+    return L.lanes_count(L.lanes_zeros(x)), L.lanes_count(L.wide_lanes_zeros(x))
 
 
 def _count(dtype, wide=False):
-    n = L.LANES[NB_STORAGE[dtype]]
-    if wide:
-        n = L.LANES[types.uint16] // (2 if dtype == F64 else 1)
-    return n
+    """The library's lane count for rows of ``dtype`` (the replays' block size)."""
+    return _lane_counts(np.zeros(1, D.storage_dtype(dtype)))[wide]
 
 
-def _replay_tree(lanes, combine=np.add):
-    """The documented final order: parts (p0 . p1) . (p2 . p3), then halves."""
+def _replay_tree(lanes):
+    """The documented final order: parts (p0 + p1) + (p2 + p3), then halves."""
     parts = np.split(lanes, L.PARTS)
     while len(parts) > 1:
-        parts = [combine(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     v = parts[0]
     while v.size > 1:
-        v = combine(v[:v.size // 2], v[v.size // 2:])
+        v = v[:v.size // 2] + v[v.size // 2:]
     return v[0]
 
 
@@ -49,8 +49,8 @@ def _blocks(values, count):
 
 @njit(cache=False)
 def _sum_via_lanes(x):
-    n, step = x.shape[0], L.lanes(x)
     s = L.lanes_zeros(x)
+    n, step = x.shape[0], L.lanes_count(s)
     for c in range(0, n - step + 1, step):
         s = s + L.lanes_load(x, c, step)
     if n % step:
@@ -58,7 +58,7 @@ def _sum_via_lanes(x):
     return L.lanes_sum(s)
 
 
-@pytest.mark.parametrize("dtype", [F32, F64, F16, BF16], ids=IDS.get)
+@pytest.mark.parametrize("dtype", [F32, F64, F16, BF16], ids=dtype_id)
 @pytest.mark.parametrize("cols", [1, 7, 31, 64, 100, 1000, 4096, 5003])
 def test_sum_follows_the_documented_order(dtype, cols):
     rng = np.random.default_rng(cols)
@@ -80,7 +80,7 @@ def test_sum_follows_the_documented_order(dtype, cols):
         assert not np.all([seq == got, np.sum(values) == got]), "test cannot tell orders apart"
 
 
-@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=IDS.get)
+@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=dtype_id)
 @pytest.mark.parametrize("cols", [5, 64, 1000, 4099])
 def test_cpu_sum_sq_and_grad_sums_follow_the_documented_order(dtype, cols):
     """The kernels' reductions themselves, replayed: (x - center)**2 and x - center
@@ -143,12 +143,12 @@ def _copy_converted(src, dst, k):
         L.lanes_store(dst, c, L.lanes_load_like(src, c, kk, like), kk)
 
 
-@pytest.mark.parametrize("half", [F16, BF16], ids=IDS.get)
+@pytest.mark.parametrize("half", [F16, BF16], ids=dtype_id)
 def test_block_narrow_matches_numpy_bits(half):
     """Vector rounding float32 -> float16/bfloat16, every class of value (the same
     cases as the scalar conversions in test_dtypes)."""
     v = F32_CASES
-    out = np.empty(v.size, STORAGE[half])
+    out = np.empty(v.size, D.storage_dtype(half))
     _copy_converted(v, out, 1 << 30)
     with np.errstate(over="ignore", invalid="ignore"):
         want = v.astype(half)
@@ -158,9 +158,9 @@ def test_block_narrow_matches_numpy_bits(half):
     assert np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
 
 
-@pytest.mark.parametrize("half", [F16, BF16], ids=IDS.get)
+@pytest.mark.parametrize("half", [F16, BF16], ids=dtype_id)
 def test_block_widen_matches_numpy_bits(half):
-    bits = ALL16.view(STORAGE[half])
+    bits = ALL16.view(D.storage_dtype(half))
     out = np.empty(bits.size, np.float32)
     _copy_converted(bits, out, 1 << 30)
     with np.errstate(invalid="ignore"):
@@ -170,7 +170,7 @@ def test_block_widen_matches_numpy_bits(half):
     assert np.array_equal(out[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
-@pytest.mark.parametrize("dtype", [F32, F64, F16, BF16], ids=IDS.get)
+@pytest.mark.parametrize("dtype", [F32, F64, F16, BF16], ids=dtype_id)
 @pytest.mark.parametrize("k", [0, 1, 5, 17])
 def test_partial_blocks_touch_only_their_elements(dtype, k):
     """A partial load reads k elements (the rest of the lanes are 0) and a partial
