@@ -1189,9 +1189,16 @@ def _parts_for_impl(p, x, chunks, cols):
     return lambda p, x, chunks, cols: np.empty((chunks, cols), dt)
 
 
-@njit(inline='always')
 def _rows3(a):
-    return a.reshape((1, a.shape[0], a.shape[1]))
+    raise NotImplementedError
+
+
+@overload(_rows3)
+def _rows3_impl(a):
+    """The (1, rows, cols) view of a 2-D array; None (an in-place dx) stays None."""
+    if isinstance(a, types.NoneType):
+        return lambda a: None
+    return lambda a: a.reshape((1, a.shape[0], a.shape[1]))
 
 
 @njit(inline='always')

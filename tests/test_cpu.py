@@ -357,6 +357,37 @@ def test_fast_path_matches_general_path(rng, monkeypatch, op, dtype, shape, para
     _check_like_general(op, d, fast, general, "fast path")
 
 
+@pytest.mark.parametrize("shape", [(1, 1024), (3, 300), (40, 8, 130)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op,in_place", [(op, False) for op in OPS]
+                         + [(op, True) for op in OPS if op.endswith("bwd")],
+                         ids=lambda v: {False: "out", True: "out=dy"}.get(v, v))
+def test_fast_path_with_out(rng, monkeypatch, op, dtype, shape, in_place):
+    """An out= laid out as x (C-contiguous NumPy, x's dtype), or out=dy in a
+    backward, takes the fast paths too (small entries included): no context is
+    built, the result is written into out and returned as it, with the bits of the
+    call without out=; the inputs other than an in-place dy are untouched."""
+    from numba_fused import _dispatch
+    d = _make_case(op, rng, shape, dtype)
+    want = call_op(op, d)
+    out = d["dy"] if in_place else poisoned(shape, dtype)
+    names = [k for k, v in d.items() if v is not None and v is not out]
+    orig = copies(*(d[k] for k in names))
+
+    def no_context(*a, **k):
+        raise AssertionError("the fast path built a context")
+    monkeypatch.setattr(_dispatch, "_context", no_context)
+    got = call_op(op, d, out=out)
+    monkeypatch.undo()
+    assert got[0] is out
+    assert_unmodified(orig, [d[k] for k in names], names)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            assert_bits_equal(g, w, f"{op} out= vs no out=")
+
+
 # ========================================================= small-call entries
 SMALL_SHAPES = [(1, 1024), (5, 300), (3, 1)]
 
