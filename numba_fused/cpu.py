@@ -380,8 +380,8 @@ def _softmax_fwd_row(x, y, scratch):
         y[c] = narrow(scratch[c] * inv, y)
 
 
-#: forwards with at least this many rows and at most PIPELINE_COLS columns run
-#: pipelined (``_softmax_fwd_rows``, ``_rms_norm_fwd_rows``, ``_layer_norm_fwd_rows``)
+#: softmax forwards with at least this many rows and at most PIPELINE_COLS columns
+#: run pipelined (``_softmax_fwd_rows``); the norm forwards always are
 PIPELINE_ROWS = 64
 PIPELINE_COLS = 1 << 16
 
@@ -427,13 +427,16 @@ def _softmax_bwd_row(y, dy, dx):
 
 # ------------------------------------------------------------------ RMSNorm
 @_row
-def _rms_norm_fwd_row(x, weight, eps, y):
-    """rstd = 1 / sqrt(mean(x**2) + eps); y = x * rstd * weight. Returns rstd."""
-    cols = x.shape[0]
-    rstd = acc(x, 1.0) / np.sqrt(_sum_sq(x, acc(x, 0.0))[0] / acc(x, cols) + acc(x, eps))
-    for c in range(cols):
+def _rms_norm_rstd(x, ss, eps):
+    """rstd = 1 / sqrt(mean(x**2) + eps) from ss = sum(x**2)."""
+    return acc(x, 1.0) / np.sqrt(ss / acc(x, x.shape[0]) + acc(x, eps))
+
+
+@_row
+def _rms_norm_store(x, weight, rstd, y):
+    """y = x * rstd * weight (the stage's store, the same operations)."""
+    for c in range(x.shape[0]):
         y[c] = narrow(_times(widen(x[c]) * rstd, weight, c), y)
-    return rstd
 
 
 @_row
@@ -464,18 +467,22 @@ def _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c, k):
 
 
 @_row
-def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi, spare):
-    """Rows lo..hi-1, pipelined as ``_softmax_fwd_rows`` in two stages: one pass
-    sums the squares of row r + 1 and stores row r (ab.py median ratios 0.97-1.28x
-    over float32, bfloat16 and float64, 2026-12-04). The first iteration stores into ``spare``."""
-    cols = x.shape[2]
-    rc = acc(x, 1.0)
-    for v in range(lo - 1, hi):
-        a = min(v + 1, hi - 1)
-        yc = _row_at(y, v) if v >= lo else spare
-        ss = _rms_norm_fwd_stage(_row_at(x, a), _row_at(x, max(v, lo)), weight, rc, yc)
-        rc = acc(x, 1.0) / np.sqrt(ss / acc(x, cols) + acc(x, eps))
-        rstd[a] = rc
+def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi):
+    """rstd = 1 / sqrt(mean(x**2) + eps); y = x * rstd * weight, for rows lo..hi-1,
+    software-pipelined as ``_softmax_fwd_rows`` in two stages: one pass sums the
+    squares of row r + 1 (from memory) and stores row r (in cache). Row lo's sum
+    and row hi-1's store are passes of their own, with the stage's lanes and
+    operations: a row's bits do not depend on lo and hi (so neither on the thread
+    count), and a chunk of one row is the plain two-pass row. Pipelined: ab.py
+    median ratios 0.97-1.28x over float32, bfloat16 and float64 (2026-12-04)."""
+    rc = _rms_norm_rstd(_row_at(x, lo), _sum_sq(_row_at(x, lo), acc(x, 0.0))[0], eps)
+    rstd[lo] = rc
+    for r in range(lo, hi - 1):
+        xa = _row_at(x, r + 1)
+        ss = _rms_norm_fwd_stage(xa, _row_at(x, r), weight, rc, _row_at(y, r))
+        rc = _rms_norm_rstd(xa, ss, eps)
+        rstd[r + 1] = rc
+    _rms_norm_store(_row_at(x, hi - 1), weight, rc, _row_at(y, hi - 1))
 
 
 @_row
@@ -537,8 +544,10 @@ LN_SHIFT_COND = 8.0
 
 
 @_row
-def _layer_norm_fwd_row(x, weight, bias, eps, y):
-    """Shifted sums: with d = x - m0, var = sum(d**2)/n - (sum(d)/n)**2, and
+def _layer_norm_store(x, weight, bias, mean, rstd, y):
+    """y = (x - mean) * rstd * weight + bias (the stage's store, the same operations).
+
+    The statistics (``_layer_norm_fwd_rows``) are shifted sums: with d = x - m0, var = sum(d**2)/n - (sum(d)/n)**2, and
     mean = sum(x/n) directly (m0 + sum(d)/n would carry m0's rounding, eps*|m0|,
     which for a row whose mean is small against its spread measured up to 37x
     (median 14x) the error of the plain sum, and made the benchmark's error gate
@@ -551,19 +560,14 @@ def _layer_norm_fwd_row(x, weight, bias, eps, y):
     about the first mean: the two-pass algorithm, whose deviations also correct
     the rounding of the first mean. Never E[x^2] - E[x]^2 about 0, which loses
     every digit for rows whose mean is large against their spread.
-    rstd = 1 / sqrt(var + eps); y = (x - mean) * rstd * weight + bias.
-    Returns (mean, rstd)."""
-    inv_cols = acc(x, 1.0) / acc(x, x.shape[0])
-    m0 = _layer_norm_shift(x)
-    mean, rstd = _layer_norm_stats(x, _moments(x, m0, inv_cols), inv_cols, eps)
+    rstd = 1 / sqrt(var + eps)."""
     for c in range(x.shape[0]):
         y[c] = narrow(_plus(_times((widen(x[c]) - mean) * rstd, weight, c), bias, c), y)
-    return mean, rstd
 
 
 @_row
 def _layer_norm_shift(x):
-    """m0: the mean of 4 elements spread over the row (see _layer_norm_fwd_row)."""
+    """m0: the mean of 4 elements spread over the row (see _layer_norm_store)."""
     q = x.shape[0] // 4
     quarter = acc(x, 0.25)       # scaled first: the sum cannot overflow
     return (widen(x[0]) * quarter + widen(x[q]) * quarter
@@ -573,7 +577,7 @@ def _layer_norm_shift(x):
 @_row
 def _layer_norm_stats(x, sums, inv_cols, eps):
     """(mean, rstd) from _moments(x, m0, inv_cols), with the second pass over x
-    where the shifted sums are not accurate enough (see _layer_norm_fwd_row)."""
+    where the shifted sums are not accurate enough (see _layer_norm_store)."""
     mean, ss, sd = sums
     shift = sd * inv_cols
     var = ss * inv_cols - shift * shift
@@ -617,22 +621,23 @@ def _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, sm
 
 
 @_row
-def _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, lo, hi, spare):
-    """Rows lo..hi-1, pipelined as ``_rms_norm_fwd_rows``: one pass takes the
-    shifted sums of row r + 1 and stores row r; a row that needs the second
-    statistics pass takes it while in cache, before its store."""
+def _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, lo, hi):
+    """Rows lo..hi-1, pipelined as ``_rms_norm_fwd_rows`` (row lo's sums and row
+    hi-1's store on their own): one pass takes the shifted sums of row r + 1 and
+    stores row r; a row that needs the second statistics pass takes it while in
+    cache, before its store. Statistics and store: see ``_layer_norm_store``."""
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
-    mc = acc(x, 0.0)
-    rc = acc(x, 1.0)
-    for v in range(lo - 1, hi):
-        a = min(v + 1, hi - 1)
-        xa = _row_at(x, a)
-        m0 = _layer_norm_shift(xa)
-        yc = _row_at(y, v) if v >= lo else spare
-        sums = _layer_norm_fwd_stage(xa, m0, inv_cols, _row_at(x, max(v, lo)), weight, bias,
-                                     mc, rc, yc)
+    xa = _row_at(x, lo)
+    mc, rc = _layer_norm_stats(xa, _moments(xa, _layer_norm_shift(xa), inv_cols), inv_cols,
+                               eps)
+    mean[lo], rstd[lo] = mc, rc
+    for r in range(lo, hi - 1):
+        xa = _row_at(x, r + 1)
+        sums = _layer_norm_fwd_stage(xa, _layer_norm_shift(xa), inv_cols, _row_at(x, r),
+                                     weight, bias, mc, rc, _row_at(y, r))
         mc, rc = _layer_norm_stats(xa, sums, inv_cols, eps)
-        mean[a], rstd[a] = mc, rc
+        mean[r + 1], rstd[r + 1] = mc, rc
+    _layer_norm_store(_row_at(x, hi - 1), weight, bias, mc, rc, _row_at(y, hi - 1))
 
 
 @_row
@@ -852,12 +857,12 @@ def _pipelined(rows, cols):
 
 
 @njit(inline='always')
-def _pipeline_chunks(rows, parallel):
-    """Chunks of a pipelined forward: the results do not depend on them; each
-    chunk repeats ~1.5 rows of work, hence 32 rows or more. Not one per thread:
-    numba.get_num_threads() in jitted code stops numba from caching the function,
-    and costs 0.6 us from Python."""
-    return min(rows // 32, 8 * MAX_CHUNKS) if parallel else 1
+def _pipeline_chunks(rows, threads):
+    """Chunks of a pipelined softmax forward: one per thread (the backend passes
+    ``numba.get_num_threads()``: in jitted code it stops numba from caching the
+    function), at least 32 rows each, since each chunk repeats ~1.5 rows of work.
+    The results do not depend on them."""
+    return max(1, min(rows // 32, threads))
 
 
 #: norm backwards with params pair rows from this many columns on (see _row_pairs;
@@ -908,10 +913,10 @@ def _build(loop):
     opts = dict(parallel=parallel, cache=True, nogil=True, error_model='numpy')
 
     @njit(**opts)
-    def softmax_fwd(x, y):
+    def softmax_fwd(x, y, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
         if _pipelined(rows, cols):
-            chunks = _pipeline_chunks(rows, parallel)
+            chunks = _pipeline_chunks(rows, threads if parallel else 1)
             for k in loop(chunks):
                 _wide_vectors()      # in the loop: prange outlines its body
                 _softmax_fwd_rows(x, y, k * rows // chunks, (k + 1) * rows // chunks,
@@ -932,33 +937,22 @@ def _build(loop):
             _softmax_bwd_row(_row_at(y, r), _row_at(dy, r), _row_at(dx, r))
 
     @njit(**opts)
-    def rms_norm_fwd(x, weight, eps, y, rstd):
-        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
-        if _pipelined(rows, cols):
-            chunks = _pipeline_chunks(rows, parallel)
-            for k in loop(chunks):
-                _wide_for_halves(x)
-                _rms_norm_fwd_rows(x, weight, eps, y, rstd, k * rows // chunks,
-                                   (k + 1) * rows // chunks, np.empty(cols, y.dtype))
-        else:
-            for r in loop(rows):
-                _wide_for_halves(x)
-                rstd[r] = _rms_norm_fwd_row(_row_at(x, r), weight, eps, _row_at(y, r))
+    def rms_norm_fwd(x, weight, eps, y, rstd, threads):
+        rows = x.shape[0] * x.shape[1]
+        chunks = max(1, min(rows, threads)) if parallel else 1
+        for k in loop(chunks):
+            _wide_for_halves(x)
+            _rms_norm_fwd_rows(x, weight, eps, y, rstd, k * rows // chunks,
+                               (k + 1) * rows // chunks)
 
     @njit(**opts)
-    def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
-        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
-        if _pipelined(rows, cols):
-            chunks = _pipeline_chunks(rows, parallel)
-            for k in loop(chunks):
-                _wide_for_halves(x)
-                _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, k * rows // chunks,
-                                     (k + 1) * rows // chunks, np.empty(cols, y.dtype))
-        else:
-            for r in loop(rows):
-                _wide_for_halves(x)
-                mean[r], rstd[r] = _layer_norm_fwd_row(_row_at(x, r), weight, bias, eps,
-                                                       _row_at(y, r))
+    def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd, threads):
+        rows = x.shape[0] * x.shape[1]
+        chunks = max(1, min(rows, threads)) if parallel else 1
+        for k in loop(chunks):
+            _wide_for_halves(x)
+            _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, k * rows // chunks,
+                                 (k + 1) * rows // chunks)
 
     # dweight/dbias partials are summed in the driver, after the row loop: one
     # dispatch per call (a second numba call cost ~0.4 us, measured).
@@ -1113,6 +1107,7 @@ def _run(name, key, x, *args):
                 return SERIAL[name](*args)
         PARALLEL[name](*args)
         _needs_lock = numba.threading_layer() == "workqueue"
+        _bind_thread_count()
 
 
 def param_chunks(rows, cols):
@@ -1210,7 +1205,7 @@ def _eps_ok(eps):
 def small_softmax_fwd(x, y):
     rows, cols = x.shape
     _require(rows * cols > 0)
-    _serial_softmax_fwd(_rows3(x), _rows3(y))
+    _serial_softmax_fwd(_rows3(x), _rows3(y), 1)
 
 
 @_small
@@ -1224,14 +1219,14 @@ def small_softmax_bwd(y, dy, dx):
 def small_rms_norm_fwd(x, weight, eps, y, rstd):
     rows, cols = x.shape
     _require(rows * cols > 0 and _fits(weight, cols) and _eps_ok(eps))
-    _serial_rms_norm_fwd(_rows3(x), weight, eps, _rows3(y), rstd)
+    _serial_rms_norm_fwd(_rows3(x), weight, eps, _rows3(y), rstd, 1)
 
 
 @_small
 def small_layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
     rows, cols = x.shape
     _require(rows * cols > 0 and _fits(weight, cols) and _fits(bias, cols) and _eps_ok(eps))
-    _serial_layer_norm_fwd(_rows3(x), weight, bias, eps, _rows3(y), mean, rstd)
+    _serial_layer_norm_fwd(_rows3(x), weight, bias, eps, _rows3(y), mean, rstd, 1)
 
 
 @_small
@@ -1316,8 +1311,30 @@ def _partials(out, chunks, dtype):
 
 
 # ----------------------------------------------------------- backend entry
+#: the calling thread's numba thread count (``numba.get_num_threads``, which
+#: costs 0.57 us a call on the project's VM; its raw getter, bound once the threads
+#: are launched, 0.08 us)
+_thread_count = numba.get_num_threads
+
+
+def _bind_thread_count():
+    global _thread_count
+    from numba.np.ufunc import parallel
+    _thread_count = getattr(parallel, "_get_num_threads", numba.get_num_threads)
+
+
+def _run_fwd(name, x, *args):
+    """``_run`` for the forwards, whose drivers take the thread count last: their
+    pipelined chunks are one per thread (the bits do not depend on it)."""
+    if x.size < _serial_below[name]:
+        return SERIAL[name](*args, 1)
+    if not _needs_lock:                       # _run's common case, one call less
+        return PARALLEL[name](*args, _thread_count())
+    return _run(name, name, x, *args, _thread_count())
+
+
 def softmax_fwd(x, y):
-    _run("softmax_fwd", "softmax_fwd", x, x, y)
+    _run_fwd("softmax_fwd", x, x, y)
 
 
 def softmax_bwd(y, dy, dx):
@@ -1325,11 +1342,11 @@ def softmax_bwd(y, dy, dx):
 
 
 def rms_norm_fwd(x, weight, eps, y, rstd):
-    _run("rms_norm_fwd", "rms_norm_fwd", x, x, weight, eps, y, rstd)
+    _run_fwd("rms_norm_fwd", x, x, weight, eps, y, rstd)
 
 
 def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
-    _run("layer_norm_fwd", "layer_norm_fwd", x, x, weight, bias, eps, y, mean, rstd)
+    _run_fwd("layer_norm_fwd", x, x, weight, bias, eps, y, mean, rstd)
 
 
 # The backwards below run ~10 Python statements per call: at ~50 ns each on the

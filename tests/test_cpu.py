@@ -628,6 +628,40 @@ def test_softmax_inf_nan_rows(rng, dtype, cols):
         assert np.all(dx[0, ninf] == 0)
 
 
+#: thread counts the forward drivers are called with directly (more than this
+#: machine has: prange runs the chunks on the threads there are)
+DRIVER_THREADS = (2, 3, 5)
+
+
+def _chunk_edges(rows, chunks_of):
+    """First/last rows and the rows on either side of every chunk boundary, for
+    each thread count of DRIVER_THREADS (``chunks_of(threads)`` chunks)."""
+    edges = {0, 1, rows - 2, rows - 1}
+    for t in DRIVER_THREADS:
+        chunks = chunks_of(t)
+        edges |= {k * rows // chunks for k in range(chunks)}
+        edges |= {k * rows // chunks - 1 for k in range(1, chunks)}
+    return sorted(edges)
+
+
+def _fwd_by_driver(op, d, threads):
+    """The parallel forward driver of ``op`` called with ``threads`` (2-D x)."""
+    from numba_fused import _dtypes as D
+    x = d["x"]
+    st = lambda a: None if a is None else D.to_storage(a)
+    y = np.empty_like(x)
+    k, rows = cpu.PARALLEL[op], lambda a: st(a)[None]
+    if op == "softmax_fwd":
+        k(rows(x), rows(y), threads)
+        return (y,)
+    stats = [np.empty(x.shape[0], acc_dtype(x.dtype)) for _ in range(op.count("layer") + 1)]
+    if op == "rms_norm_fwd":
+        k(rows(x), st(d["weight"]), 1e-6, rows(y), *stats, threads)
+    else:
+        k(rows(x), st(d["weight"]), st(d["bias"]), 1e-5, rows(y), *stats, threads)
+    return (y, *stats)
+
+
 @pytest.mark.parametrize("rows", [cpu.PIPELINE_ROWS, cpu.PIPELINE_ROWS + 1, 97, 130])
 @pytest.mark.parametrize("cols", [1, 33, 1000])
 @dtypes
@@ -635,11 +669,9 @@ def test_softmax_fwd_pipelined(rng, restore_threads, dtype, rows, cols):
     """The pipelined forward (rows >= PIPELINE_ROWS): special rows at the first,
     last and chunk-boundary positions behave as in a single-row call, results
     match the reference, and a row's bits do not depend on its position, the
-    chunking (serial, parallel) or the thread count."""
+    chunking (serial, parallel, one chunk per thread) or the thread count."""
     x = draw(rng, (rows, cols), dtype, scale=2.0)
-    chunks = min(rows // 32, 8 * cpu.MAX_CHUNKS)
-    edges = sorted({0, 1, rows - 2, rows - 1} | {k * rows // chunks for k in range(chunks)}
-                   | {k * rows // chunks - 1 for k in range(1, chunks)})
+    edges = _chunk_edges(rows, lambda t: cpu._pipeline_chunks(rows, t))
     special = {}
     for i, r in enumerate(edges):
         kind = ["ninf", "nan", "inf", "half", "finite"][i % 5]
@@ -657,9 +689,10 @@ def test_softmax_fwd_pipelined(rng, restore_threads, dtype, rows, cols):
         numba.set_num_threads(min(threads, restore_threads))
         with cpu.forced(parallel):
             results.append(nf.softmax_fwd(x, out=poisoned(x.shape, dtype)))
+    results += [_fwd_by_driver("softmax_fwd", dict(x=x), t)[0] for t in DRIVER_THREADS]
     y = results[0]
     for other in results[1:]:
-        assert_bits_equal(other, y, "serial vs parallel, 1 and 2 threads")
+        assert_bits_equal(other, y, "serial vs parallel, threads 1, 2, 3, 5")
     for r, kind in special.items():
         if kind in ("ninf", "nan", "inf") or (kind == "half" and cols == 1):
             assert np.all(np.isnan(y[r])), (r, kind)
@@ -671,19 +704,17 @@ def test_softmax_fwd_pipelined(rng, restore_threads, dtype, rows, cols):
     assert_bits_equal(nf.softmax_fwd(x[perm]), y[perm], "rows permuted")
 
 
-@pytest.mark.parametrize("rows", [cpu.PIPELINE_ROWS, 97])
+@pytest.mark.parametrize("rows", [4, 13, 97])
 @pytest.mark.parametrize("cols", [1, 33, 1000])
 @pytest.mark.parametrize("op", ["rms_norm_fwd", "layer_norm_fwd"])
 @dtypes
 def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
-    """The pipelined norm forwards: NaN rows and rows that take LayerNorm's
-    second statistics pass at the first, last and chunk-boundary positions;
-    bits independent of position, chunking and thread count; the other rows
-    match the reference."""
+    """The pipelined norm forwards (every shape; one chunk per thread): NaN rows
+    and rows that take LayerNorm's second statistics pass at the first, last and
+    chunk-boundary positions (chunks of 1 row included); bits independent of
+    position, chunking and thread count; the other rows match the reference."""
     x = draw(rng, (rows, cols), dtype, loc=0.5)
-    chunks = min(rows // 32, 8 * cpu.MAX_CHUNKS)
-    edges = sorted({0, 1, rows - 2, rows - 1} | {k * rows // chunks for k in range(chunks)}
-                   | {k * rows // chunks - 1 for k in range(1, chunks)})
+    edges = _chunk_edges(rows, lambda t: min(rows, t))
     q = cols // 4
     nan_rows = edges[::2]
     for r in nan_rows:
@@ -699,9 +730,10 @@ def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
         numba.set_num_threads(min(threads, restore_threads))
         with cpu.forced(parallel):
             results.append(call_op(op, d, out=poisoned(x.shape, dtype)))
+    results += [_fwd_by_driver(op, d, t) for t in DRIVER_THREADS]
     for other in results[1:]:
         for a, c in zip(other, results[0]):
-            assert_bits_equal(a, c, "serial vs parallel, 1 and 2 threads")
+            assert_bits_equal(a, c, "serial vs parallel, threads 1, 2, 3, 5")
     for r in nan_rows:
         assert np.all(np.isnan(results[0][0][r])) and np.isnan(results[0][-1][r])
     ok = [r for r in range(rows) if r not in nan_rows]
@@ -1047,10 +1079,10 @@ def test_non_contiguous_layouts_run_unit_stride_loops():
     out = np.empty((4, 6, 64), np.float32).transpose(1, 0, 2)
     w, st = np.ones(64, np.float32), np.ones(24, np.float32)
     part = np.empty((1, 64), np.float32)
-    args = {"softmax_fwd": (rows, out), "softmax_bwd": (rows, rows, out),
-            "rms_norm_fwd": (rows, w, 1e-6, out, st.copy()),
+    args = {"softmax_fwd": (rows, out, 1), "softmax_bwd": (rows, rows, out),
+            "rms_norm_fwd": (rows, w, 1e-6, out, st.copy(), 1),
             "rms_norm_bwd": (rows, rows, w, st, out, part, 1, w.copy()),
-            "layer_norm_fwd": (rows, w, w, 1e-5, out, st.copy(), st.copy()),
+            "layer_norm_fwd": (rows, w, w, 1e-5, out, st.copy(), st.copy(), 1),
             "layer_norm_bwd": (rows, rows, w, st, st, out, part, part.copy(), 1,
                                w.copy(), w.copy())}
     for name, a in args.items():
