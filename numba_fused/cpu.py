@@ -216,6 +216,22 @@ def _add_into_impl(total, c, v, first):
     return impl
 
 
+def _vadd_into(total, c, v, k, first):
+    raise NotImplementedError
+
+
+@overload(_vadd_into)
+def _vadd_into_impl(total, c, v, k, first):
+    """The lanes form of ``_add_into``: total[c:c+k] = v on a chunk's first row,
+    else total[c:c+k] + v; nothing for None."""
+    if isinstance(total, types.NoneType):
+        return lambda total, c, v, k, first: None
+
+    def impl(total, c, v, k, first):
+        lanes_store(total, c, v if first else lanes_load_like(total, c, k, v) + v, k)
+    return impl
+
+
 # --------------------------------------------------------------- reductions
 @_reduction
 def _max(x):
@@ -527,14 +543,80 @@ def _rms_norm_bwd_pair_store(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1,
 
 
 @_row
-def _rms_norm_bwd_row_pair(dy0, x0, dy1, x1, weight, rstd0, rstd1, dx0, dx1, dweight, first):
-    """Two consecutive rows of ``_rms_norm_bwd_row`` with a dweight partial (the
-    same dx bits; dweight adds a0 + a1 where row by row added a0, then a1)."""
-    rstd0, rstd1 = acc(x0, rstd0), acc(x0, rstd1)
-    dot0 = _rms_norm_bwd_dot(dy0, x0, weight, rstd0)
-    dot1 = _rms_norm_bwd_dot(dy1, x1, weight, rstd1)
-    _rms_norm_bwd_pair_store(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1, dx0, dx1,
-                             dweight, first)
+def _rms_norm_bwd_pairs(dy, x, weight, rstd, dx, dweight, lo, hi):
+    """Rows lo..hi-1 of a backward with a dweight partial, in pairs (the store
+    pass of two rows at once: each partial element read and written once per two
+    rows), software-pipelined: one pass over the columns
+    stores pair p (in cache) while it takes the sums of pair p + 1 (from memory).
+    The first pair's sums and the last pair's store are passes of their own; an
+    odd last row goes alone. dx has the bits of the row-by-row backward (the same
+    lanes, the same operations); dweight adds each pair's terms, in row order."""
+    pairs_end = lo + (hi - lo) // 2 * 2
+    if pairs_end > lo:
+        dot0 = _rms_norm_bwd_dot(_row_at(dy, lo), _row_at(x, lo), weight, acc(x, rstd[lo]))
+        dot1 = _rms_norm_bwd_dot(_row_at(dy, lo + 1), _row_at(x, lo + 1), weight,
+                                 acc(x, rstd[lo + 1]))
+        for r in range(lo, pairs_end - 2, 2):
+            dot0, dot1 = _rms_norm_bwd_pair_stage(dy, x, weight, rstd, dx, dweight, r,
+                                                  dot0, dot1, r == lo)
+        r = pairs_end - 2
+        _rms_norm_bwd_pair_store(_row_at(dy, r), _row_at(x, r), _row_at(dy, r + 1),
+                                 _row_at(x, r + 1), weight, acc(x, rstd[r]), dot0,
+                                 acc(x, rstd[r + 1]), dot1, _row_at(dx, r),
+                                 _row_at(dx, r + 1), dweight, r == lo)
+    if pairs_end < hi:
+        _rms_norm_bwd_row(_row_at(dy, hi - 1), _row_at(x, hi - 1), weight, rstd[hi - 1],
+                          _row_at(dx, hi - 1), dweight, hi - 1 == lo)
+
+
+@_row
+def _rms_norm_bwd_pair_stage(dy, x, weight, rstd, dx, dweight, r, dot0, dot1, first):
+    """Stores rows r, r + 1 (their mean(g * xhat): dot0, dot1) and returns those
+    of rows r + 2, r + 3."""
+    cols = x.shape[2]
+    dy0, dy1, dy2, dy3 = (_row_at(dy, r), _row_at(dy, r + 1), _row_at(dy, r + 2),
+                          _row_at(dy, r + 3))
+    s2, s3 = _rms_norm_bwd_pair_stage_at(
+        cols, _data(dy0), _data(_row_at(x, r)), _data(dy1), _data(_row_at(x, r + 1)),
+        _data(weight), acc(x, rstd[r]), dot0, acc(x, rstd[r + 1]), dot1,
+        _data(_target(_row_at(dx, r), dy0)), _data(_target(_row_at(dx, r + 1), dy1)),
+        _data(dweight), first, _data(dy2), _data(_row_at(x, r + 2)), _data(dy3),
+        _data(_row_at(x, r + 3)), acc(x, 0.0), acc(x, rstd[r + 2]), acc(x, rstd[r + 3]))
+    return s2 / acc(x, cols), s3 / acc(x, cols)
+
+
+@_lanes_fn
+def _rms_norm_bwd_pair_stage_at(n, dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1,
+                                dx0, dx1, dweight, first, dy2, x2, dy3, x3, zero, rstd2,
+                                rstd3):
+    """``_rms_norm_bwd_pair_stage`` on data pointers (see ``_lanes_fn``)."""
+    s2 = g2 = s3 = g3 = lanes_zeros(x0)
+    step = lanes_count(s2)
+    for c in range(0, n - step + 1, step):
+        _rms_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1, dx0,
+                                 dx1, dweight, first, c, step)
+        s2, g2 = _grad_sums_block(dy2, weight, x2, zero, rstd2, s2, g2, c, step)
+        s3, g3 = _grad_sums_block(dy3, weight, x3, zero, rstd3, s3, g3, c, step)
+    if n % step:
+        c, k = n - n % step, n % step
+        s2, g2 = _grad_sums_block(dy2, weight, x2, zero, rstd2, s2, g2, c, k)
+        s3, g3 = _grad_sums_block(dy3, weight, x3, zero, rstd3, s3, g3, c, k)
+        _rms_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1, dx0,
+                                 dx1, dweight, first, c, k)
+    return lanes_sum(s2), lanes_sum(s3)
+
+
+@_row
+def _rms_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1, dx0, dx1,
+                             dweight, first, c, k):
+    """``_rms_norm_bwd_pair_store``'s operations on columns c..c+k-1."""
+    d0 = lanes_load(dy0, c, k)
+    d1 = lanes_load(dy1, c, k)
+    xhat0 = lanes_load(x0, c, k) * rstd0
+    xhat1 = lanes_load(x1, c, k) * rstd1
+    _vadd_into(dweight, c, d0 * xhat0 + d1 * xhat1, k, first)
+    lanes_store(dx0, c, rstd0 * (_vtimes(d0, weight, c, k) - xhat0 * dot0), k)
+    lanes_store(dx1, c, rstd1 * (_vtimes(d1, weight, c, k) - xhat1 * dot1), k)
 
 
 # ---------------------------------------------------------------- LayerNorm
@@ -687,17 +769,82 @@ def _layer_norm_bwd_pair_store(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gme
 
 
 @_row
-def _layer_norm_bwd_row_pair(dy0, x0, dy1, x1, weight, mean0, rstd0, mean1, rstd1, dx0, dx1,
-                             dweight, dbias, first):
-    """Two consecutive rows of ``_layer_norm_bwd_row`` with dweight/dbias partials
-    (the same dx bits; dweight/dbias add a0 + a1 where row by row added a0, then a1:
-    a fixed order either way)."""
-    mean0, rstd0 = acc(x0, mean0), acc(x0, rstd0)
-    mean1, rstd1 = acc(x0, mean1), acc(x0, rstd1)
-    dot0, gmean0 = _layer_norm_bwd_sums(dy0, x0, weight, mean0, rstd0)
-    dot1, gmean1 = _layer_norm_bwd_sums(dy1, x1, weight, mean1, rstd1)
-    _layer_norm_bwd_pair_store(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
-                               mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias, first)
+def _layer_norm_bwd_pairs(dy, x, weight, mean, rstd, dx, dweight, dbias, lo, hi):
+    """Rows lo..hi-1 of a backward with dweight/dbias partials, in pairs,
+    software-pipelined as ``_rms_norm_bwd_pairs``."""
+    pairs_end = lo + (hi - lo) // 2 * 2
+    if pairs_end > lo:
+        dot0, gmean0 = _layer_norm_bwd_sums(_row_at(dy, lo), _row_at(x, lo), weight,
+                                            acc(x, mean[lo]), acc(x, rstd[lo]))
+        dot1, gmean1 = _layer_norm_bwd_sums(_row_at(dy, lo + 1), _row_at(x, lo + 1), weight,
+                                            acc(x, mean[lo + 1]), acc(x, rstd[lo + 1]))
+        for r in range(lo, pairs_end - 2, 2):
+            dot0, gmean0, dot1, gmean1 = _layer_norm_bwd_pair_stage(
+                dy, x, weight, mean, rstd, dx, dweight, dbias, r, dot0, gmean0, dot1, gmean1,
+                r == lo)
+        r = pairs_end - 2
+        _layer_norm_bwd_pair_store(_row_at(dy, r), _row_at(x, r), _row_at(dy, r + 1),
+                                   _row_at(x, r + 1), weight, acc(x, mean[r]),
+                                   acc(x, rstd[r]), dot0, gmean0, acc(x, mean[r + 1]),
+                                   acc(x, rstd[r + 1]), dot1, gmean1, _row_at(dx, r),
+                                   _row_at(dx, r + 1), dweight, dbias, r == lo)
+    if pairs_end < hi:
+        _layer_norm_bwd_row(_row_at(dy, hi - 1), _row_at(x, hi - 1), weight, mean[hi - 1],
+                            rstd[hi - 1], _row_at(dx, hi - 1), dweight, dbias, hi - 1 == lo)
+
+
+@_row
+def _layer_norm_bwd_pair_stage(dy, x, weight, mean, rstd, dx, dweight, dbias, r, dot0,
+                               gmean0, dot1, gmean1, first):
+    """Stores rows r, r + 1 and returns (mean(g * xhat), mean(g)) of rows r + 2, r + 3."""
+    inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
+    dy0, dy1 = _row_at(dy, r), _row_at(dy, r + 1)
+    s2, g2, s3, g3 = _layer_norm_bwd_pair_stage_at(
+        x.shape[2], _data(dy0), _data(_row_at(x, r)), _data(dy1), _data(_row_at(x, r + 1)),
+        _data(weight), acc(x, mean[r]), acc(x, rstd[r]), dot0, gmean0, acc(x, mean[r + 1]),
+        acc(x, rstd[r + 1]), dot1, gmean1, _data(_target(_row_at(dx, r), dy0)),
+        _data(_target(_row_at(dx, r + 1), dy1)), _data(dweight), _data(dbias), first,
+        _data(_row_at(dy, r + 2)), _data(_row_at(x, r + 2)), _data(_row_at(dy, r + 3)),
+        _data(_row_at(x, r + 3)), acc(x, mean[r + 2]), acc(x, rstd[r + 2]),
+        acc(x, mean[r + 3]), acc(x, rstd[r + 3]))
+    return s2 * inv_cols, g2 * inv_cols, s3 * inv_cols, g3 * inv_cols
+
+
+@_lanes_fn
+def _layer_norm_bwd_pair_stage_at(n, dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
+                                  mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
+                                  first, dy2, x2, dy3, x3, mean2, rstd2, mean3, rstd3):
+    """``_layer_norm_bwd_pair_stage`` on data pointers (see ``_lanes_fn``)."""
+    s2 = g2 = s3 = g3 = lanes_zeros(x0)
+    step = lanes_count(s2)
+    for c in range(0, n - step + 1, step):
+        _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
+                                   mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
+                                   first, c, step)
+        s2, g2 = _grad_sums_block(dy2, weight, x2, mean2, rstd2, s2, g2, c, step)
+        s3, g3 = _grad_sums_block(dy3, weight, x3, mean3, rstd3, s3, g3, c, step)
+    if n % step:
+        c, k = n - n % step, n % step
+        s2, g2 = _grad_sums_block(dy2, weight, x2, mean2, rstd2, s2, g2, c, k)
+        s3, g3 = _grad_sums_block(dy3, weight, x3, mean3, rstd3, s3, g3, c, k)
+        _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
+                                   mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
+                                   first, c, k)
+    return lanes_sum(s2), lanes_sum(g2), lanes_sum(s3), lanes_sum(g3)
+
+
+@_row
+def _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1,
+                               rstd1, dot1, gmean1, dx0, dx1, dweight, dbias, first, c, k):
+    """``_layer_norm_bwd_pair_store``'s operations on columns c..c+k-1."""
+    d0 = lanes_load(dy0, c, k)
+    d1 = lanes_load(dy1, c, k)
+    xhat0 = (lanes_load(x0, c, k) - mean0) * rstd0
+    xhat1 = (lanes_load(x1, c, k) - mean1) * rstd1
+    _vadd_into(dweight, c, d0 * xhat0 + d1 * xhat1, k, first)
+    _vadd_into(dbias, c, d0 + d1, k, first)
+    lanes_store(dx0, c, rstd0 * (_vtimes(d0, weight, c, k) - xhat0 * dot0 - gmean0), k)
+    lanes_store(dx1, c, rstd1 * (_vtimes(d1, weight, c, k) - xhat1 * dot1 - gmean1), k)
 
 
 @_row
@@ -969,13 +1116,7 @@ def _build(loop):
                     _rms_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, rstd[r],
                                       _row_at(dx, r), part, r == start)
             else:
-                for r in range(start, end - 1, 2):
-                    _rms_norm_bwd_row_pair(_row_at(dy, r), _row_at(x, r), _row_at(dy, r + 1),
-                                           _row_at(x, r + 1), weight, rstd[r], rstd[r + 1],
-                                           _row_at(dx, r), _row_at(dx, r + 1), part, r == start)
-                if (end - start) % 2:
-                    _rms_norm_bwd_row(_row_at(dy, end - 1), _row_at(x, end - 1), weight,
-                                      rstd[end - 1], _row_at(dx, end - 1), part, end - 1 == start)
+                _rms_norm_bwd_pairs(dy, x, weight, rstd, dx, part, start, end)
         # the partials' sum: by column blocks in parallel when there are many
         blocks = _sum_blocks(dweight_parts) if parallel else 0
         for b in loop(blocks):
@@ -998,15 +1139,7 @@ def _build(loop):
                     _layer_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, mean[r],
                                         rstd[r], _row_at(dx, r), wpart, bpart, r == start)
             else:
-                for r in range(start, end - 1, 2):
-                    _layer_norm_bwd_row_pair(_row_at(dy, r), _row_at(x, r), _row_at(dy, r + 1),
-                                             _row_at(x, r + 1), weight, mean[r], rstd[r],
-                                             mean[r + 1], rstd[r + 1], _row_at(dx, r),
-                                             _row_at(dx, r + 1), wpart, bpart, r == start)
-                if (end - start) % 2:
-                    _layer_norm_bwd_row(_row_at(dy, end - 1), _row_at(x, end - 1), weight,
-                                        mean[end - 1], rstd[end - 1], _row_at(dx, end - 1),
-                                        wpart, bpart, end - 1 == start)
+                _layer_norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end)
         blocks = max(_sum_blocks(dweight_parts), _sum_blocks(dbias_parts)) if parallel else 0
         for b in loop(blocks):
             _sum_block(dweight_parts, dweight, b)
