@@ -94,3 +94,30 @@ def test_fmax_propagates_nan_and_orders_zeros():
     assert np.isnan(fmax(2.0, np.nan))
     assert not np.signbit(fmax(-0.0, 0.0))
     assert fmax(-np.inf, -1e300) == -1e300
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fmax_skipnan_running_max_ignores_nan(rng, dtype):
+    """fmax_skipnan(a, m): a where a > m, else m (a NaN a keeps m). A running
+    maximum over any order of the elements is the maximum of the non-NaN ones,
+    -inf when there are none; the assembly is one vmaxps (no blends)."""
+    f = njit(lambda a, m: V.fmax_skipnan(a, m))
+    assert f(dtype(3.0), dtype(2.0)) == 3.0 and f(dtype(1.0), dtype(2.0)) == 2.0
+    assert f(dtype(np.nan), dtype(2.0)) == 2.0
+    assert f(dtype(np.inf), dtype(2.0)) == np.inf
+    assert f(dtype(-np.inf), dtype(-np.inf)) == -np.inf
+
+    @njit
+    def running(v):
+        m = v.dtype.type(-np.inf)
+        for c in range(v.shape[0]):
+            m = V.fmax_skipnan(v[c], m)
+        return m
+    v = rng.standard_normal(257).astype(dtype)
+    v[[3, 100, 256]] = np.nan
+    want = np.nanmax(v)
+    for _ in range(5):
+        assert running(rng.permutation(v)) == want
+    assert running(np.full(9, np.nan, dtype)) == -np.inf
+    asm = f.inspect_asm(f.signatures[0])
+    assert "vmaxs" in asm and "blend" not in asm
