@@ -19,9 +19,10 @@ the accumulator type, ``narrow`` rounds once at the store; it always sees rows a
 C-contiguous 1-D arrays (``_row_at``), whatever the layout of the 3-D views,
 so every layout runs the same vectorized code. Row drivers exist in a parallel
 build (prange over rows) and a serial one for small calls, where a parallel
-launch costs more than the work. Forwards over many rows run software-pipelined
-(``_softmax_fwd_rows`` and the norms'): one pass over the columns reads the next
-row's statistics while it stores the current row, so memory and compute overlap.
+launch costs more than the work. Rows run software-pipelined (``_softmax_fwd_rows``,
+``_softmax_bwd_rows``, the norms' ``*_fwd_rows`` and ``*_bwd_pairs``), one chunk of
+rows per thread: one pass over the columns takes the next row's sums while it
+stores the current row, so memory and compute overlap.
 
 dweight/dbias: rows are split into a fixed number of chunks that depends only on
 (rows, cols), each chunk accumulates its own partial row in the accumulator type,
@@ -441,12 +442,54 @@ def _softmax_fwd_rows(x, y, lo, hi, sa, sb, spare):
 
 
 @_row
-def _softmax_bwd_row(y, dy, dx):
-    """dx = y * (dy - sum(dy * y)); dx None: written into dy."""
-    dot = _grad_sums(dy, None, y, acc(y, 0.0), acc(y, 1.0))[0]
+def _softmax_bwd_dot(y, dy):
+    """sum(dy * y) of a row."""
+    return _grad_sums(dy, None, y, acc(y, 0.0), acc(y, 1.0))[0]
+
+
+@_row
+def _softmax_bwd_store(y, dy, dot, dx):
+    """dx = y * (dy - dot); dx None: written into dy."""
     dx = _target(dx, dy)
     for c in range(y.shape[0]):
         dx[c] = narrow(widen(y[c]) * (widen(dy[c]) - dot), dx)
+
+
+@_row
+def _softmax_bwd_rows(y, dy, dx, lo, hi):
+    """dx = y * (dy - sum(dy * y)) for rows lo..hi-1, software-pipelined as the
+    norm forwards: one pass stores row r (in cache) and takes the sum of row r + 1
+    (from memory); row lo's sum and row hi-1's store are passes of their own, with
+    the stage's lanes and operations (a row's bits do not depend on lo and hi)."""
+    dot = _softmax_bwd_dot(_row_at(y, lo), _row_at(dy, lo))
+    for r in range(lo, hi - 1):
+        dyc = _row_at(dy, r)
+        dot = _softmax_bwd_stage_at(
+            y.shape[2], _data(_row_at(y, r + 1)), _data(_row_at(dy, r + 1)),
+            _data(_row_at(y, r)), _data(dyc), dot, _data(_target(_row_at(dx, r), dyc)),
+            acc(y, 0.0), acc(y, 1.0))
+    _softmax_bwd_store(_row_at(y, hi - 1), _row_at(dy, hi - 1), dot, _row_at(dx, hi - 1))
+
+
+@_lanes_fn
+def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero, one):
+    """Stores dxc = yc * (dyc - dot) and returns sum(dya * ya) (as ``_grad_sums``),
+    on data pointers (see ``_lanes_fn``)."""
+    s = g = lanes_zeros(ya)
+    step = lanes_count(s)
+    for c in range(0, n - step + 1, step):
+        _softmax_bwd_block(yc, dyc, dot, dxc, c, step)
+        s, g = _grad_sums_block(dya, None, ya, zero, one, s, g, c, step)
+    if n % step:
+        c, k = n - n % step, n % step
+        _softmax_bwd_block(yc, dyc, dot, dxc, c, k)
+        s, g = _grad_sums_block(dya, None, ya, zero, one, s, g, c, k)
+    return lanes_sum(s)
+
+
+@_row
+def _softmax_bwd_block(y, dy, dot, dx, c, k):
+    lanes_store(dx, c, lanes_load(y, c, k) * (lanes_load(dy, c, k) - dot), k)
 
 
 # ------------------------------------------------------------------ RMSNorm
@@ -1106,10 +1149,12 @@ def _build(loop):
                     _softmax_fwd_row(_row_at(x, r), _row_at(y, r), scratch)
 
     @njit(**opts)
-    def softmax_bwd(y, dy, dx):
-        for r in loop(y.shape[0] * y.shape[1]):
+    def softmax_bwd(y, dy, dx, threads):
+        rows = y.shape[0] * y.shape[1]
+        chunks = max(1, min(rows, threads)) if parallel else 1
+        for k in loop(chunks):
             _wide_for_halves(y)
-            _softmax_bwd_row(_row_at(y, r), _row_at(dy, r), _row_at(dx, r))
+            _softmax_bwd_rows(y, dy, dx, k * rows // chunks, (k + 1) * rows // chunks)
 
     @njit(**opts)
     def rms_norm_fwd(x, weight, eps, y, rstd, threads):
@@ -1377,7 +1422,7 @@ def small_softmax_fwd(x, y):
 def small_softmax_bwd(y, dy, dx):
     rows, cols = y.shape
     _require(rows * cols > 0 and dy.shape == y.shape)
-    _serial_softmax_bwd(_rows3(y), _rows3(dy), _rows3(dx))
+    _serial_softmax_bwd(_rows3(y), _rows3(dy), _rows3(dx), 1)
 
 
 @_small
@@ -1488,9 +1533,9 @@ def _bind_thread_count():
     _thread_count = getattr(parallel, "_get_num_threads", numba.get_num_threads)
 
 
-def _run_fwd(name, x, *args):
-    """``_run`` for the forwards, whose drivers take the thread count last: their
-    pipelined chunks are one per thread (the bits do not depend on it)."""
+def _run_threaded(name, x, *args):
+    """``_run`` for the pipelined drivers (the forwards and softmax_bwd), which take
+    the thread count last: one chunk per thread (the bits do not depend on it)."""
     if x.size < _serial_below[name]:
         return SERIAL[name](*args, 1)
     if not _needs_lock:                       # _run's common case, one call less
@@ -1499,19 +1544,19 @@ def _run_fwd(name, x, *args):
 
 
 def softmax_fwd(x, y):
-    _run_fwd("softmax_fwd", x, x, y)
+    _run_threaded("softmax_fwd", x, x, y)
 
 
 def softmax_bwd(y, dy, dx):
-    _run("softmax_bwd", "softmax_bwd", y, y, dy, None if dx is dy else dx)
+    _run_threaded("softmax_bwd", y, y, dy, None if dx is dy else dx)
 
 
 def rms_norm_fwd(x, weight, eps, y, rstd):
-    _run_fwd("rms_norm_fwd", x, x, weight, eps, y, rstd)
+    _run_threaded("rms_norm_fwd", x, x, weight, eps, y, rstd)
 
 
 def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
-    _run_fwd("layer_norm_fwd", x, x, weight, bias, eps, y, mean, rstd)
+    _run_threaded("layer_norm_fwd", x, x, weight, bias, eps, y, mean, rstd)
 
 
 # The backwards below run ~10 Python statements per call: at ~50 ns each on the

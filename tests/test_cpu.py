@@ -556,9 +556,13 @@ def test_inplace_backward_takes_the_inplace_kernel(rng, monkeypatch, op, layout)
     from numba_fused import cpu
     d = _make_case(op, rng, (40, 8, 130), F32)
     d = {k: (as_layout(v, layout) if k in ROW_ARGS else v) for k, v in d.items()}
-    seen, run = [], cpu._run
-    monkeypatch.setattr(cpu, "_run",
-                        lambda name, key, x, *a: seen.append(a) or run(name, key, x, *a))
+    seen, run, threaded = [], cpu._run, cpu._run_threaded
+    if op == "softmax_bwd":        # a pipelined driver: it takes the thread count
+        monkeypatch.setattr(cpu, "_run_threaded",
+                            lambda name, x, *a: seen.append(a) or threaded(name, x, *a))
+    else:
+        monkeypatch.setattr(cpu, "_run",
+                            lambda name, key, x, *a: seen.append(a) or run(name, key, x, *a))
     want = call_op(op, d, out=poisoned(d["dy"].shape, F32))
     got = call_op(op, d, out=d["dy"])
     assert got[0] is d["dy"]
@@ -569,17 +573,18 @@ def test_inplace_backward_takes_the_inplace_kernel(rng, monkeypatch, op, layout)
 
 @pytest.mark.parametrize("op", BWD_OPS)
 def test_inplace_backward_kernel_is_vectorized(op):
-    """The in-place (dx None) row function compiles to packed ymm/zmm arithmetic
-    for float32 and bfloat16 storage (read in the assembly; no timing)."""
+    """The in-place (dx None) row function (softmax: its store pass; the pipelined
+    stages are explicit vectors) compiles to packed ymm/zmm arithmetic for float32
+    and bfloat16 storage (read in the assembly; no timing)."""
     from numba import njit
     from numba_fused import cpu
     import re
-    fn = {"softmax_bwd": cpu._softmax_bwd_row, "rms_norm_bwd": cpu._rms_norm_bwd_row,
+    fn = {"softmax_bwd": cpu._softmax_bwd_store, "rms_norm_bwd": cpu._rms_norm_bwd_row,
           "layer_norm_bwd": cpu._layer_norm_bwd_row}[op]
     for st in (np.float32, np.uint16):
         row = np.ones(256, st)
         w = np.ones(256, np.float32)
-        args = {"softmax_bwd": (row, row.copy(), None),
+        args = {"softmax_bwd": (row, row.copy(), np.float32(0.5), None),
                 "rms_norm_bwd": (row, row.copy(), w, np.float32(1), None, w.copy(), True),
                 "layer_norm_bwd": (row, row.copy(), w, np.float32(0), np.float32(1), None,
                                    w.copy(), w.copy(), True)}[op]
@@ -587,7 +592,9 @@ def test_inplace_backward_kernel_is_vectorized(op):
         fresh(*args)
         asm = fresh.inspect_asm(fresh.signatures[0])
         packed = re.findall(r"\bv(?:mul|add|sub|fmadd\w*)ps\s+%?[yz]mm", asm)
-        assert len(packed) >= 4, f"{op} {st.__name__}: no packed arithmetic in place"
+        # softmax's store is y * (dy - dot): one packed sub and mul per vector
+        need = 2 if op == "softmax_bwd" else 4
+        assert len(packed) >= need, f"{op} {st.__name__}: no packed arithmetic in place"
 
 
 # ============================================================ special values
@@ -741,6 +748,41 @@ def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
     perm = rng.permutation(rows)
     for a, c in zip(call_op(op, dict(d, x=x[perm])), results[0]):
         assert_bits_equal(a, c[perm], "rows permuted")
+
+
+@pytest.mark.parametrize("rows", [4, 13, 97])
+@pytest.mark.parametrize("cols", [1, 33, 1000])
+@dtypes
+def test_softmax_bwd_pipelined(rng, restore_threads, dtype, rows, cols):
+    """The pipelined softmax backward (one chunk per thread, chunks of one row
+    included): NaN rows at the first, last and chunk-boundary positions stay in
+    their rows; bits independent of position, chunking and thread count, and the
+    same in place; the other rows match the reference."""
+    from numba_fused import _dtypes as D
+    y = nf.softmax_fwd(draw(rng, (rows, cols), dtype, scale=2.0))
+    dy = draw(rng, (rows, cols), dtype)
+    nan_rows = _chunk_edges(rows, lambda t: min(rows, t))[::2]
+    y[nan_rows, cols // 2] = np.nan
+    results = []
+    for parallel, threads in ((False, 1), (True, 1), (True, 2)):
+        numba.set_num_threads(min(threads, restore_threads))
+        with cpu.forced(parallel):
+            results.append(nf.softmax_bwd(y, dy, out=poisoned(y.shape, dtype)))
+            inplace = dy.copy()
+            assert nf.softmax_bwd(y, inplace, out=inplace) is inplace
+            results.append(inplace)
+    for t in DRIVER_THREADS:
+        dx = poisoned(y.shape, dtype)
+        cpu.PARALLEL["softmax_bwd"](D.to_storage(y)[None], D.to_storage(dy)[None],
+                                    D.to_storage(dx)[None], t)
+        results.append(dx)
+    for other in results[1:]:
+        assert_bits_equal(other, results[0], "serial, parallel, in place, threads 1-5")
+    dx = results[0]
+    assert np.all(np.isnan(dx[nan_rows]))
+    ok = [r for r in range(rows) if r not in nan_rows]
+    assert_close(dx[ok], ref.softmax_bwd(y[ok], dy[ok]), cond=softmax_bwd_cond(y[ok], dy[ok]),
+                 what="dx")
 
 
 def _huge_rows(dtype, cols):
@@ -1079,7 +1121,7 @@ def test_non_contiguous_layouts_run_unit_stride_loops():
     out = np.empty((4, 6, 64), np.float32).transpose(1, 0, 2)
     w, st = np.ones(64, np.float32), np.ones(24, np.float32)
     part = np.empty((1, 64), np.float32)
-    args = {"softmax_fwd": (rows, out, 1), "softmax_bwd": (rows, rows, out),
+    args = {"softmax_fwd": (rows, out, 1), "softmax_bwd": (rows, rows, out, 1),
             "rms_norm_fwd": (rows, w, 1e-6, out, st.copy(), 1),
             "rms_norm_bwd": (rows, rows, w, st, out, part, 1, w.copy()),
             "layer_norm_fwd": (rows, w, w, 1e-5, out, st.copy(), st.copy(), 1),
