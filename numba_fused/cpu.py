@@ -981,26 +981,6 @@ def _acc_empty_impl(x, n):
     return lambda x, n: np.empty(n, dt)
 
 
-def _param_acc(p):
-    raise NotImplementedError
-
-
-@overload(_param_acc)
-def _param_acc_impl(p):
-    """weight/bias for the row loops: float16/bfloat16 bits widened to float32 once
-    per call (exact), so no row converts them again; float32/float64 and None as
-    they are. (The half conversions are ALU work in every row's loop, and the
-    bfloat16 kernels are bound by the two 512-bit ALU ports.)"""
-    if isinstance(p, types.Array) and p.dtype in (types.int16, types.uint16):
-        def impl(p):
-            wide = np.empty(p.shape[0], np.float32)
-            for c in range(p.shape[0]):
-                wide[c] = widen(p[c])
-            return wide
-        return impl
-    return lambda p: p
-
-
 def _sum_into(partials, out):
     raise NotImplementedError
 
@@ -1158,7 +1138,6 @@ def _build(loop):
 
     @njit(**opts)
     def rms_norm_fwd(x, weight, eps, y, rstd, threads):
-        weight = _param_acc(weight)
         rows = x.shape[0] * x.shape[1]
         chunks = max(1, min(rows, threads)) if parallel else 1
         for k in loop(chunks):
@@ -1168,7 +1147,6 @@ def _build(loop):
 
     @njit(**opts)
     def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd, threads):
-        weight, bias = _param_acc(weight), _param_acc(bias)
         rows = x.shape[0] * x.shape[1]
         chunks = max(1, min(rows, threads)) if parallel else 1
         for k in loop(chunks):
@@ -1180,7 +1158,6 @@ def _build(loop):
     # dispatch per call (a second numba call cost ~0.4 us, measured).
     @njit(**opts)
     def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks, dweight):
-        weight = _param_acc(weight)
         rows = x.shape[0] * x.shape[1]
         for k in loop(chunks):
             _wide_for_halves(x)
@@ -1203,7 +1180,6 @@ def _build(loop):
     @njit(**opts)
     def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
                        chunks, dweight, dbias):
-        weight = _param_acc(weight)
         rows = x.shape[0] * x.shape[1]
         for k in loop(chunks):
             _wide_for_halves(x)
