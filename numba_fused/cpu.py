@@ -570,8 +570,10 @@ def _rms_norm_bwd_row(dy, x, weight, rstd, dx, dweight, first):
 
 @_row
 def _rms_norm_bwd_dot(dy, x, weight, rstd):
-    """mean(g * xhat) of a row (one row or a pair: the same dx bits)."""
-    return _grad_sums(dy, weight, x, acc(x, 0.0), rstd)[0] / acc(x, x.shape[0])
+    """mean(g * xhat) of a row, as sum * (1 / cols): the pipelined pairs take it
+    from LayerNorm's stage (``_layer_norm_bwd_pair_stage``), which scales so."""
+    inv_cols = acc(x, 1.0) / acc(x, x.shape[0])
+    return _grad_sums(dy, weight, x, acc(x, 0.0), rstd)[0] * inv_cols
 
 
 @njit(cache=True, nogil=True, error_model='numpy')
@@ -607,9 +609,11 @@ def _rms_norm_bwd_pairs(dy, x, weight, rstd, dx, dweight, lo, hi):
         dot0 = _rms_norm_bwd_dot(_row_at(dy, lo), _row_at(x, lo), weight, acc(x, rstd[lo]))
         dot1 = _rms_norm_bwd_dot(_row_at(dy, lo + 1), _row_at(x, lo + 1), weight,
                                  acc(x, rstd[lo + 1]))
+        zero = acc(x, 0.0)      # RMSNorm is LayerNorm's stage with mean = mean(g) = 0
         for r in range(lo, pairs_end - 2, 2):
-            dot0, dot1 = _rms_norm_bwd_pair_stage(dy, x, weight, rstd, dx, dweight, r,
-                                                  dot0, dot1, r == lo)
+            dot0, _, dot1, _ = _layer_norm_bwd_pair_stage(
+                dy, x, weight, None, rstd, dx, dweight, None, r, dot0, zero, dot1, zero,
+                r == lo)
         r = pairs_end - 2
         _rms_norm_bwd_pair_store(_row_at(dy, r), _row_at(x, r), _row_at(dy, r + 1),
                                  _row_at(x, r + 1), weight, acc(x, rstd[r]), dot0,
@@ -618,56 +622,6 @@ def _rms_norm_bwd_pairs(dy, x, weight, rstd, dx, dweight, lo, hi):
     if pairs_end < hi:
         _rms_norm_bwd_row(_row_at(dy, hi - 1), _row_at(x, hi - 1), weight, rstd[hi - 1],
                           _row_at(dx, hi - 1), dweight, hi - 1 == lo)
-
-
-@_row
-def _rms_norm_bwd_pair_stage(dy, x, weight, rstd, dx, dweight, r, dot0, dot1, first):
-    """Stores rows r, r + 1 (their mean(g * xhat): dot0, dot1) and returns those
-    of rows r + 2, r + 3."""
-    cols = x.shape[2]
-    dy0, dy1, dy2, dy3 = (_row_at(dy, r), _row_at(dy, r + 1), _row_at(dy, r + 2),
-                          _row_at(dy, r + 3))
-    s2, s3 = _rms_norm_bwd_pair_stage_at(
-        cols, _data(dy0), _data(_row_at(x, r)), _data(dy1), _data(_row_at(x, r + 1)),
-        _data(weight), acc(x, rstd[r]), dot0, acc(x, rstd[r + 1]), dot1,
-        _data(_target(_row_at(dx, r), dy0)), _data(_target(_row_at(dx, r + 1), dy1)),
-        _data(dweight), first, _data(dy2), _data(_row_at(x, r + 2)), _data(dy3),
-        _data(_row_at(x, r + 3)), acc(x, 0.0), acc(x, rstd[r + 2]), acc(x, rstd[r + 3]))
-    return s2 / acc(x, cols), s3 / acc(x, cols)
-
-
-@_lanes_fn
-def _rms_norm_bwd_pair_stage_at(n, dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1,
-                                dx0, dx1, dweight, first, dy2, x2, dy3, x3, zero, rstd2,
-                                rstd3):
-    """``_rms_norm_bwd_pair_stage`` on data pointers (see ``_lanes_fn``)."""
-    s2 = g2 = s3 = g3 = lanes_zeros(x0)
-    step = lanes_count(s2)
-    for c in range(0, n - step + 1, step):
-        _rms_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1, dx0,
-                                 dx1, dweight, first, c, step)
-        s2, g2 = _grad_sums_block(dy2, weight, x2, zero, rstd2, s2, g2, c, step)
-        s3, g3 = _grad_sums_block(dy3, weight, x3, zero, rstd3, s3, g3, c, step)
-    if n % step:
-        c, k = n - n % step, n % step
-        s2, g2 = _grad_sums_block(dy2, weight, x2, zero, rstd2, s2, g2, c, k)
-        s3, g3 = _grad_sums_block(dy3, weight, x3, zero, rstd3, s3, g3, c, k)
-        _rms_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1, dx0,
-                                 dx1, dweight, first, c, k)
-    return lanes_sum(s2), lanes_sum(s3)
-
-
-@_row
-def _rms_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1, dx0, dx1,
-                             dweight, first, c, k):
-    """``_rms_norm_bwd_pair_store``'s operations on columns c..c+k-1."""
-    d0 = lanes_load(dy0, c, k)
-    d1 = lanes_load(dy1, c, k)
-    xhat0 = lanes_load(x0, c, k) * rstd0
-    xhat1 = lanes_load(x1, c, k) * rstd1
-    _vadd_into(dweight, c, d0 * xhat0 + d1 * xhat1, k, first)
-    lanes_store(dx0, c, rstd0 * (_vtimes(d0, weight, c, k) - xhat0 * dot0), k)
-    lanes_store(dx1, c, rstd1 * (_vtimes(d1, weight, c, k) - xhat1 * dot1), k)
 
 
 # ---------------------------------------------------------------- LayerNorm
@@ -847,17 +801,20 @@ def _layer_norm_bwd_pairs(dy, x, weight, mean, rstd, dx, dweight, dbias, lo, hi)
 @_row
 def _layer_norm_bwd_pair_stage(dy, x, weight, mean, rstd, dx, dweight, dbias, r, dot0,
                                gmean0, dot1, gmean1, first):
-    """Stores rows r, r + 1 and returns (mean(g * xhat), mean(g)) of rows r + 2, r + 3."""
+    """Stores rows r, r + 1 and returns (mean(g * xhat), mean(g)) of rows r + 2, r + 3.
+    With mean None (and gmean 0, dbias None) it is RMSNorm's: x - 0 and v - 0 are
+    exact, so the dx bits are ``_rms_norm_bwd_pair_store``'s."""
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
     dy0, dy1 = _row_at(dy, r), _row_at(dy, r + 1)
     s2, g2, s3, g3 = _layer_norm_bwd_pair_stage_at(
         x.shape[2], _data(dy0), _data(_row_at(x, r)), _data(dy1), _data(_row_at(x, r + 1)),
-        _data(weight), acc(x, mean[r]), acc(x, rstd[r]), dot0, gmean0, acc(x, mean[r + 1]),
-        acc(x, rstd[r + 1]), dot1, gmean1, _data(_target(_row_at(dx, r), dy0)),
-        _data(_target(_row_at(dx, r + 1), dy1)), _data(dweight), _data(dbias), first,
-        _data(_row_at(dy, r + 2)), _data(_row_at(x, r + 2)), _data(_row_at(dy, r + 3)),
-        _data(_row_at(x, r + 3)), acc(x, mean[r + 2]), acc(x, rstd[r + 2]),
-        acc(x, mean[r + 3]), acc(x, rstd[r + 3]))
+        _data(weight), _stat(x, mean, r), acc(x, rstd[r]), dot0, gmean0,
+        _stat(x, mean, r + 1), acc(x, rstd[r + 1]), dot1, gmean1,
+        _data(_target(_row_at(dx, r), dy0)), _data(_target(_row_at(dx, r + 1), dy1)),
+        _data(dweight), _data(dbias), first, _data(_row_at(dy, r + 2)),
+        _data(_row_at(x, r + 2)), _data(_row_at(dy, r + 3)), _data(_row_at(x, r + 3)),
+        _stat(x, mean, r + 2), acc(x, rstd[r + 2]), _stat(x, mean, r + 3),
+        acc(x, rstd[r + 3]))
     return s2 * inv_cols, g2 * inv_cols, s3 * inv_cols, g3 * inv_cols
 
 
@@ -896,6 +853,18 @@ def _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gme
     _vadd_into(dbias, c, d0 + d1, k, first)
     lanes_store(dx0, c, rstd0 * (_vtimes(d0, weight, c, k) - xhat0 * dot0 - gmean0), k)
     lanes_store(dx1, c, rstd1 * (_vtimes(d1, weight, c, k) - xhat1 * dot1 - gmean1), k)
+
+
+def _stat(x, stats, r):
+    raise NotImplementedError
+
+
+@overload(_stat)
+def _stat_impl(x, stats, r):
+    """stats[r] in x's accumulator type; 0 for None (RMSNorm's mean)."""
+    if isinstance(stats, types.NoneType):
+        return lambda x, stats, r: acc(x, 0.0)
+    return lambda x, stats, r: acc(x, stats[r])
 
 
 @_row

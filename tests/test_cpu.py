@@ -1135,6 +1135,35 @@ def test_non_contiguous_layouts_run_unit_stride_loops():
         assert len(re.findall(r"\bv(?:mul|add|sub|fmadd\w*)ps\s+%?[yz]mm", asm)) >= 4, name
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
+def test_pipelined_pair_rows_are_batch_invariant(rng, op, dtype):
+    """The pipelined pair backwards (4-5 rows per dweight chunk, so every chunk
+    runs the pair stage; columns not a power of two, so 1/cols is inexact): each
+    row's dx has the bits of the same row alone, serial and parallel, in place."""
+    cols = 4111 if is_half(dtype) else 1057
+    ROWS = 130
+    x, dy = draw(rng, (ROWS, cols), dtype), draw(rng, (ROWS, cols), dtype)
+    w = draw_param(rng, cols, "x", dtype)
+    if op == "rms_norm_bwd":
+        d = dict(dy=dy, x=x, weight=w, rstd=nf.rms_norm_fwd(x, w)[1])
+    else:
+        _, mean, rstd = nf.layer_norm_fwd(x, w, w)
+        d = dict(dy=dy, x=x, weight=w, bias=w, mean=mean, rstd=rstd)
+    assert ROWS // cpu.param_chunks(ROWS, cols) >= 4
+    for parallel in (False, True):
+        with cpu.forced(parallel):
+            dx = call_op(op, d)[0]
+            inplace = d["dy"].copy()
+            call_op(op, dict(d, dy=inplace), out=inplace)
+        assert_bits_equal(inplace, dx, f"{op} in place")
+        with cpu.forced(False):
+            for r in range(ROWS):
+                alone = {k: (v[r:r + 1] if k in ("dy", "x", "mean", "rstd") else v)
+                         for k, v in d.items()}
+                assert_bits_equal(call_op(op, alone)[0][0], dx[r], f"{op} row {r}")
+
+
 def _row_results(x, dy, w):
     """Forward outputs and backward dx of every op for the rows of x (bytes per row)."""
     y_sm = nf.softmax_fwd(x)
