@@ -308,8 +308,9 @@ def _stats_storage(ctx, s):
 # ------------------------------------------------------------ host fast path
 # A call whose arrays are all C-contiguous NumPy arrays of exactly the expected
 # dtypes and shapes, with no dtype=/stream= and an out= that is None or laid out
-# as x (``_host_out``), needs none of the general path's normalization: it is recognized here in well under a microsecond (the
-# general path cost ~8 us, most of a (1, 1024) call). Everything else, valid or
+# as x (``_host_out``), needs none of the general path's normalization: it is
+# recognized here in well under a microsecond (the general path cost ~8 us, most
+# of a (1, 1024) call). Everything else, valid or
 # not, takes the general path, which alone reports errors; the fast path only
 # accepts what the general path would accept, and computes the same thing.
 _HOST_STORAGE = D._STORAGE     # the shared tables: bfloat16 joins them on first sight

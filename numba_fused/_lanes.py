@@ -30,7 +30,7 @@ Arrays are C-contiguous 1-D arrays or their data pointers (``data(a)``).
 * ``lanes_keep(v, k, fill)`` -- lanes k and up replaced by ``fill``.
 * ``lanes_sum(v)``, ``lanes_max(v)`` -- tree sum, IEEE maximum (NaN propagates).
 * ``+``, ``-``, ``*`` between lanes and lanes or a scalar (splatted), and the
-  ``_vecmath`` primitives (fma, fmax, clamps, the exp scaling) accept lanes.
+  ``_vecmath`` primitives (fma, fmax_skipnan, clamps, the exp scaling) accept lanes.
 
 Partial blocks use LLVM's masked loads and stores (nothing read or written past
 k); a full block's constant k folds the masks away.

@@ -1,9 +1,8 @@
-"""Vectorizable math for the accumulator types: ``fexp``, ``fmax`` and ``fmax_skipnan``.
+"""Vectorizable math for the accumulator types: ``fexp`` and ``fmax_skipnan``.
 
 numba has no SVML: ``np.exp`` is a scalar libm call that stops LLVM from
-vectorizing the softmax loops, and a ``v if v > m else m`` max does not vectorize
-without nnan. ``fmax`` is LLVM's ``llvm.maximum`` (IEEE maximum: NaN propagates),
-which vectorizes as a reduction.
+vectorizing the softmax loops. ``fmax_skipnan`` is a select, one ``vmaxps``, for
+running maxima in explicit lanes (``_lanes``).
 
 exp(x) = 2**n * exp(r) with n = rint(x / ln2), r = x - n*ln2 (Cody-Waite split
 of ln2 in two FMAs, |r| <= ln2/2), exp(r) by a Horner polynomial of FMAs, and
@@ -74,17 +73,24 @@ def _clamp(typingctx, x, lo, hi):
     return x(x, x, x), codegen
 
 
-@intrinsic
-def _clamp_below(typingctx, x, lo):
-    """max(x, lo) as one select; NaN passes through. x may be lanes."""
-    lt = result_lanes(x, lo)
-    if lt is None and not (x == lo and isinstance(x, types.Float)):
-        return None
+def _binary(emit, doc):
+    """An intrinsic f(a, b) = emit(builder, a, b) on two floats of one type, or on
+    lanes and a float (splatted), part by part."""
+    @intrinsic
+    def op(typingctx, a, b):
+        lt = result_lanes(a, b)
+        if lt is None and not (a == b and isinstance(a, types.Float)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        return apply(context, builder, sig, args,
-                     lambda b, x, lo: b.select(b.fcmp_ordered('<', x, lo), lo, x))
-    return (lt or x)(x, lo), codegen
+        def codegen(context, builder, sig, args):
+            return apply(context, builder, sig, args, emit)
+        return (lt or a)(a, b), codegen
+    op.__doc__ = doc
+    return op
+
+
+_clamp_below = _binary(lambda b, x, lo: b.select(b.fcmp_ordered('<', x, lo), lo, x),
+                       """max(x, lo) as one select; NaN passes through. x may be lanes.""")
 
 
 @intrinsic
@@ -204,34 +210,12 @@ def exp_nonpos_f64(x):
     return _scale64_nonpos(p, t)
 
 
-@intrinsic
-def fmax(typingctx, a, b):
-    """IEEE-754 maximum of two floats of one type (or lanes and a scalar); NaN if
-    either is NaN."""
-    lt = result_lanes(a, b)
-    if lt is None and not (a == b and isinstance(a, types.Float)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return apply(context, builder, sig, args, lambda b, x, y: b.call(
-            float_intrinsic(b, "llvm.maximum", x.type, 2), [x, y]))
-    return (lt or a)(a, b), codegen
-
-
-@intrinsic
-def fmax_skipnan(typingctx, a, m):
+fmax_skipnan = _binary(
+    lambda b, x, m: b.select(b.fcmp_ordered('>', x, m), x, m),
     """The larger of a and m, m where a is NaN: select(a > m, a, m), one vmaxps
-    (``fmax``'s IEEE maximum lowers to six AVX-512 instructions). For running
+    (LLVM's IEEE ``llvm.maximum`` lowers to six AVX-512 instructions). For running
     maxima m = fmax_skipnan(x, m) that may ignore NaN: m stays the maximum of the
-    other elements, whatever their order. a, m may be lanes."""
-    lt = result_lanes(a, m)
-    if lt is None and not (a == m and isinstance(a, types.Float)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return apply(context, builder, sig, args,
-                     lambda b, x, y: b.select(b.fcmp_ordered('>', x, y), x, y))
-    return (lt or a)(a, m), codegen
+    other elements, whatever their order. a, m may be lanes.""")
 
 
 def fexp(x):

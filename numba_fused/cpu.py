@@ -1024,12 +1024,19 @@ def _pipelined(rows, cols):
 
 
 @njit(inline='always')
+def _thread_chunks(rows, threads, parallel):
+    """Chunks of a pipelined driver: one per thread in the parallel build (the
+    backend passes ``numba.get_num_threads()``: in jitted code it stops numba from
+    caching the function), one in the serial build. The results do not depend on
+    them."""
+    return max(1, min(rows, threads)) if parallel else 1
+
+
+@njit(inline='always')
 def _pipeline_chunks(rows, threads):
-    """Chunks of a pipelined softmax forward: one per thread (the backend passes
-    ``numba.get_num_threads()``: in jitted code it stops numba from caching the
-    function), at least 32 rows each, since each chunk repeats ~1.5 rows of work.
-    The results do not depend on them."""
-    return max(1, min(rows // 32, threads))
+    """``_thread_chunks`` for the softmax forward, whose chunks repeat ~1.5 rows of
+    work each: at least 32 rows per chunk."""
+    return _thread_chunks(rows // 32, threads, True)
 
 
 #: norm backwards with params pair rows from this many columns on (see _row_pairs;
@@ -1083,7 +1090,7 @@ def _build(loop):
     def softmax_fwd(x, y, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
         if _pipelined(rows, cols):
-            chunks = _pipeline_chunks(rows, threads if parallel else 1)
+            chunks = _pipeline_chunks(rows, threads) if parallel else 1
             for k in loop(chunks):
                 _wide_vectors()      # in the loop: prange outlines its body
                 _softmax_fwd_rows(x, y, k * rows // chunks, (k + 1) * rows // chunks,
@@ -1100,7 +1107,7 @@ def _build(loop):
     @njit(**opts)
     def softmax_bwd(y, dy, dx, threads):
         rows = y.shape[0] * y.shape[1]
-        chunks = max(1, min(rows, threads)) if parallel else 1
+        chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
             _wide_for_halves(y)
             _softmax_bwd_rows(y, dy, dx, k * rows // chunks, (k + 1) * rows // chunks)
@@ -1108,7 +1115,7 @@ def _build(loop):
     @njit(**opts)
     def rms_norm_fwd(x, weight, eps, y, rstd, threads):
         rows = x.shape[0] * x.shape[1]
-        chunks = max(1, min(rows, threads)) if parallel else 1
+        chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
             _wide_for_halves(x)
             _rms_norm_fwd_rows(x, weight, eps, y, rstd, k * rows // chunks,
@@ -1117,7 +1124,7 @@ def _build(loop):
     @njit(**opts)
     def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd, threads):
         rows = x.shape[0] * x.shape[1]
-        chunks = max(1, min(rows, threads)) if parallel else 1
+        chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
             _wide_for_halves(x)
             _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, k * rows // chunks,

@@ -87,15 +87,6 @@ def test_exp_special_values(kind, dtype):
         assert np.isfinite(fn(top)[0])
 
 
-def test_fmax_propagates_nan_and_orders_zeros():
-    fmax = njit(lambda a, b: V.fmax(a, b))
-    assert fmax(np.float32(1.0), np.float32(2.0)) == 2.0
-    assert np.isnan(fmax(np.float32(np.nan), np.float32(2.0)))
-    assert np.isnan(fmax(2.0, np.nan))
-    assert not np.signbit(fmax(-0.0, 0.0))
-    assert fmax(-np.inf, -1e300) == -1e300
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fmax_skipnan_running_max_ignores_nan(rng, dtype):
     """fmax_skipnan(a, m): a where a > m, else m (a NaN a keeps m). A running
