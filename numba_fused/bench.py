@@ -8,6 +8,8 @@ once (the *first call*: compile or cache load) and its outputs are compared with
 ``numba_fused.reference`` in float64; after a warm-up the implementations and a
 parallel copy of the case's byte count are timed *interleaved*, round-robin,
 ``repeat`` samples each, so slow drifts (clock, other processes) hit all alike.
+Each sample starts with an untimed call of its implementation: the timed calls
+all run in the steady state of back-to-back calls (see ``_sample``).
 
 Minimal traffic of a case (the bytes behind GB/s and the copy roofline): every
 input read once and every output written once, at its own dtype:
@@ -612,7 +614,16 @@ def _call(impl):
 
 
 def _sample(impl):
+    """Seconds per call of ``impl.number`` calls, after one untimed call: every
+    timed call follows a call of its own implementation, so all of them, the
+    copy included, are timed in the same steady state (a case whose data fits
+    the last-level cache runs from it). Without the lead-in the state depended on
+    ``number``: at 16x262144 the copy's 3-7 calls per sample ran mostly in cache
+    after its first, a kernel's 1-2 mostly from memory after the copy's sample
+    (2026-12-05: rms_norm bwd float32 3.65 ms in the benchmark, 1.8 ms back to
+    back, 2.7-3.8 ms from memory)."""
     fn, n = impl.fn, impl.number
+    fn()
     impl.sync()
     t0 = time.perf_counter()
     for _ in range(n):

@@ -230,6 +230,22 @@ def _vadd_into_impl(total, c, v, k, first):
 
 
 # --------------------------------------------------------------- reductions
+#: Long rows (WIDE_COLS columns and more) are summed by blocks of WIDE_BLOCK
+#: columns: each block in lanes, the blocks' sums added in column order. A call
+#: on few such rows (``_wide``) runs column-blocked: every thread takes a range of
+#: blocks of all rows, first their sums, then (the rows' sums added) their
+#: stores, so one long row runs on every thread, and a block of weight and of the
+#: dweight/dbias partials stays in cache across the rows. The rows' own passes
+#: (``*_at``) take the same sums block by block, so a row gets the same bits on
+#: either path, and the choice may depend on the rows and the threads. So far the
+#: norm backwards, whose row path ran one thread per dweight partial (one for 4
+#: rows of 1M columns) and re-read the 1 MiB partial rows for every row pair.
+WIDE_COLS = 1 << 16
+WIDE_BLOCK = 1 << 13
+#: a call runs column-blocked up to this many rows per thread
+WIDE_ROWS = 8
+
+
 @_row
 def _max(x):
     """The maximum of the row's non-NaN elements (-inf if none). The softmax needs
@@ -371,14 +387,27 @@ def _grad_sums(dy, weight, x, center, scale):
 
 @_lanes_fn
 def _grad_sums_at(n, dy, weight, x, center, scale):
-    """``_grad_sums`` on data pointers (see ``_lanes_fn``)."""
+    """``_grad_sums`` on data pointers (see ``_lanes_fn``); long rows by blocks
+    (see WIDE_COLS)."""
+    if n < WIDE_COLS:       # one block: spelled out, the loop as it was (a blocks
+        return _grad_sums_span(dy, weight, x, center, scale, 0, n)   # loop: 0.84-0.92x)
+    dot, gsum = _grad_sums_span(dy, weight, x, center, scale, 0, WIDE_BLOCK)
+    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+        d, g = _grad_sums_span(dy, weight, x, center, scale, c0, min(n, c0 + WIDE_BLOCK))
+        dot, gsum = dot + d, gsum + g
+    return dot, gsum
+
+
+@_row
+def _grad_sums_span(dy, weight, x, center, scale, c0, c1):
+    """``_grad_sums`` of columns c0..c1-1, in lanes."""
     dot = gsum = lanes_zeros(x)
     step = lanes_count(dot)
-    for c in range(0, n - step + 1, step):
+    for c in range(c0, c1 - step + 1, step):
         dot, gsum = _grad_sums_block(dy, weight, x, center, scale, dot, gsum, c, step)
-    if n % step:
+    if (c1 - c0) % step:
         dot, gsum = _grad_sums_block(dy, weight, x, center, scale, dot, gsum,
-                                     n - n % step, n % step)
+                                     c1 - (c1 - c0) % step, (c1 - c0) % step)
     return lanes_sum(dot), lanes_sum(gsum)
 
 
@@ -473,15 +502,26 @@ def _softmax_bwd_rows(y, dy, dx, lo, hi):
 
 @_lanes_fn
 def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero, one):
-    """Stores dxc = yc * (dyc - dot) and returns sum(dya * ya) (as ``_grad_sums``),
-    on data pointers (see ``_lanes_fn``)."""
+    """Stores dxc = yc * (dyc - dot) and returns sum(dya * ya) (as ``_grad_sums``;
+    long rows by blocks), on data pointers (see ``_lanes_fn``)."""
+    if n < WIDE_COLS:
+        return _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, one, 0, n)
+    total = _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, one, 0, WIDE_BLOCK)
+    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+        total += _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, one, c0,
+                                         min(n, c0 + WIDE_BLOCK))
+    return total
+
+
+@_row
+def _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, one, c0, c1):
     s = g = lanes_zeros(ya)
     step = lanes_count(s)
-    for c in range(0, n - step + 1, step):
+    for c in range(c0, c1 - step + 1, step):
         _softmax_bwd_block(yc, dyc, dot, dxc, c, step)
         s, g = _grad_sums_block(dya, None, ya, zero, one, s, g, c, step)
-    if n % step:
-        c, k = n - n % step, n % step
+    if (c1 - c0) % step:
+        c, k = c1 - (c1 - c0) % step, (c1 - c0) % step
         _softmax_bwd_block(yc, dyc, dot, dxc, c, k)
         s, g = _grad_sums_block(dya, None, ya, zero, one, s, g, c, k)
     return lanes_sum(s)
@@ -733,12 +773,18 @@ def _layer_norm_bwd_row(dy, x, weight, mean, rstd, dx, dweight, dbias, first):
     dx = rstd * (g - xhat * mean(g * xhat) - mean(g));
     dweight += dy * xhat; dbias += dy (= on the chunk's ``first`` row).
     dx None: written into dy."""
-    cols = x.shape[0]
     mean, rstd = acc(x, mean), acc(x, rstd)
     dot, gmean = _layer_norm_bwd_sums(dy, x, weight, mean, rstd)
+    _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first)
+
+
+@_row
+def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first):
+    """The store pass of ``_layer_norm_bwd_row``, given the row's sums. With mean
+    and gmean 0 and dbias None it is RMSNorm's (x - 0 and v - 0 are exact)."""
     _accumulate(dbias, dy, first)     # before dx: in place, dx overwrites dy
     dx = _target(dx, dy)
-    for c in range(cols):
+    for c in range(x.shape[0]):
         d = widen(dy[c])
         xhat = (widen(x[c]) - mean) * rstd
         _add_into(dweight, c, d * xhat, first)
@@ -822,17 +868,40 @@ def _layer_norm_bwd_pair_stage(dy, x, weight, mean, rstd, dx, dweight, dbias, r,
 def _layer_norm_bwd_pair_stage_at(n, dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
                                   mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
                                   first, dy2, x2, dy3, x3, mean2, rstd2, mean3, rstd3):
-    """``_layer_norm_bwd_pair_stage`` on data pointers (see ``_lanes_fn``)."""
+    """``_layer_norm_bwd_pair_stage`` on data pointers (see ``_lanes_fn``); the sums
+    of long rows by blocks (see WIDE_COLS)."""
+    if n < WIDE_COLS:
+        return _layer_norm_bwd_pair_span(
+            dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1, rstd1, dot1, gmean1,
+            dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, rstd2, mean3, rstd3,
+            0, n)
+    s2, g2, s3, g3 = _layer_norm_bwd_pair_span(
+        dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1, rstd1, dot1, gmean1,
+        dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, rstd2, mean3, rstd3,
+        0, WIDE_BLOCK)
+    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+        t2, u2, t3, u3 = _layer_norm_bwd_pair_span(
+            dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1, rstd1, dot1, gmean1,
+            dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, rstd2, mean3, rstd3,
+            c0, min(n, c0 + WIDE_BLOCK))
+        s2, g2, s3, g3 = s2 + t2, g2 + u2, s3 + t3, g3 + u3
+    return s2, g2, s3, g3
+
+
+@_row
+def _layer_norm_bwd_pair_span(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1,
+                              rstd1, dot1, gmean1, dx0, dx1, dweight, dbias, first, dy2, x2,
+                              dy3, x3, mean2, rstd2, mean3, rstd3, c0, c1):
     s2 = g2 = s3 = g3 = lanes_zeros(x0)
     step = lanes_count(s2)
-    for c in range(0, n - step + 1, step):
+    for c in range(c0, c1 - step + 1, step):
         _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
                                    mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
                                    first, c, step)
         s2, g2 = _grad_sums_block(dy2, weight, x2, mean2, rstd2, s2, g2, c, step)
         s3, g3 = _grad_sums_block(dy3, weight, x3, mean3, rstd3, s3, g3, c, step)
-    if n % step:
-        c, k = n - n % step, n % step
+    if (c1 - c0) % step:
+        c, k = c1 - (c1 - c0) % step, (c1 - c0) % step
         s2, g2 = _grad_sums_block(dy2, weight, x2, mean2, rstd2, s2, g2, c, k)
         s3, g3 = _grad_sums_block(dy3, weight, x3, mean3, rstd3, s3, g3, c, k)
         _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
@@ -1069,6 +1138,141 @@ def _row_pairs_impl(x, wparts, bparts):
     return lambda x, wparts, bparts: pairs and x.shape[2] >= floor
 
 
+@njit(inline='always')
+def _wide(rows, cols, threads):
+    """Whether a call runs column-blocked: rows of WIDE_COLS columns and
+    more, at most WIDE_ROWS per thread (more rows keep the threads busy row by row,
+    and the row path's pipelining won from memory: 64x262144 ran 0.83-0.91x
+    column-blocked, benchmarks/ab.py 2026-12-05)."""
+    return cols >= WIDE_COLS and rows <= WIDE_ROWS * threads
+
+
+@njit(inline='always')
+def _wide_blocks(cols):
+    return (cols + WIDE_BLOCK - 1) // WIDE_BLOCK
+
+
+@njit(inline='always')
+def _wide_cols(b, cols):
+    """Columns c0..c1-1 of block b."""
+    return b * WIDE_BLOCK, min(cols, (b + 1) * WIDE_BLOCK)
+
+
+def _cols(a, c0, c1):
+    raise NotImplementedError
+
+
+@overload(_cols)
+def _cols_impl(a, c0, c1):
+    """a[c0:c1] of a 1-D array (C-contiguous stays so), None for None."""
+    if isinstance(a, types.NoneType):
+        return lambda a, c0, c1: None
+    return lambda a, c0, c1: a[c0:c1]
+
+
+@_row
+def _block_cols(a, r, c0, c1):
+    """Columns c0..c1-1 of flat row r of a 3-D storage array (None for None)."""
+    return _cols(_row_at(a, r), c0, c1)
+
+
+def _wide_sums_table(x, rows, cols, n):
+    raise NotImplementedError
+
+
+@overload(_wide_sums_table)
+def _wide_sums_table_impl(x, rows, cols, n):
+    """(rows, blocks, n) partial sums in x's accumulator type."""
+    dt = np.float64 if x.dtype == types.float64 else np.float32
+    return lambda x, rows, cols, n: np.empty((rows, _wide_blocks(cols), n), dt)
+
+
+@_row
+def _block_total(sums, r, i):
+    """sums[r, :, i] added in block order."""
+    total = sums[r, 0, i]
+    for b in range(1, sums.shape[1]):
+        total += sums[r, b, i]
+    return total
+
+
+def _gmean_of(x, mean, g):
+    raise NotImplementedError
+
+
+@overload(_gmean_of)
+def _gmean_of_impl(x, mean, g):
+    """mean(g) for LayerNorm; 0 for RMSNorm (mean None), whose dx has no such term."""
+    if isinstance(mean, types.NoneType):
+        return lambda x, mean, g: acc(x, 0.0)
+    return lambda x, mean, g: g
+
+
+@_row
+def _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b):
+    """sums[r, b] = (sum(g * xhat), sum(g)) over block b, every row."""
+    c0, c1 = _wide_cols(b, x.shape[2])
+    w = _cols(weight, c0, c1)
+    for r in range(x.shape[0] * x.shape[1]):
+        sums[r, b, 0], sums[r, b, 1] = _grad_sums(
+            _block_cols(dy, r, c0, c1), w, _block_cols(x, r, c0, c1), _stat(x, mean, r),
+            acc(x, rstd[r]))
+
+
+@_row
+def _wide_bwd_stats(x, mean, sums):
+    """Each row's (mean(g * xhat), mean(g)) into sums[r, 0] (mean(g) 0 for RMSNorm)."""
+    inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
+    for r in range(sums.shape[0]):
+        dot, g = _block_total(sums, r, 0), _block_total(sums, r, 1)
+        sums[r, 0, 0], sums[r, 0, 1] = dot * inv_cols, _gmean_of(x, mean, g * inv_cols)
+
+
+@_row
+def _wide_bwd_store(dy, x, weight, mean, rstd, dx, wparts, bparts, sums, b, chunks,
+                    dweight, dbias):
+    """The store pass of block b: each chunk's rows (``param_chunks``) into its
+    partial, in row pairs as the row path (``_layer_norm_bwd_pairs``: a pair adds
+    its two terms, then the partial; an odd last row alone), then the block's
+    partials summed in chunk order (``_sum_partials``): dweight/dbias get the row
+    path's bits, and the partials never leave the cache. RMSNorm runs it with mean
+    0 (``_stat``), mean(g) 0 and no dbias."""
+    rows, cols = x.shape[0] * x.shape[1], x.shape[2]
+    c0, c1 = _wide_cols(b, cols)
+    w = _cols(weight, c0, c1)
+    for k in range(chunks):
+        r0, r1 = k * rows // chunks, (k + 1) * rows // chunks
+        wp, bp = _cols(_row_of(wparts, k), c0, c1), _cols(_row_of(bparts, k), c0, c1)
+        pairs_end = r0 + (r1 - r0) // 2 * 2
+        for r in range(r0, pairs_end, 2):
+            _layer_norm_bwd_pair_store(
+                _block_cols(dy, r, c0, c1), _block_cols(x, r, c0, c1),
+                _block_cols(dy, r + 1, c0, c1), _block_cols(x, r + 1, c0, c1), w,
+                _stat(x, mean, r), acc(x, rstd[r]), sums[r, 0, 0], sums[r, 0, 1],
+                _stat(x, mean, r + 1), acc(x, rstd[r + 1]), sums[r + 1, 0, 0],
+                sums[r + 1, 0, 1], _block_cols(dx, r, c0, c1), _block_cols(dx, r + 1, c0, c1),
+                wp, bp, r == r0)
+        if pairs_end < r1:
+            r = r1 - 1
+            _layer_norm_bwd_store(_block_cols(dy, r, c0, c1), _block_cols(x, r, c0, c1), w,
+                                  _stat(x, mean, r), acc(x, rstd[r]), sums[r, 0, 0],
+                                  sums[r, 0, 1], _block_cols(dx, r, c0, c1), wp, bp, r == r0)
+    _sum_cols(wparts, dweight, c0, c1)
+    _sum_cols(bparts, dbias, c0, c1)
+
+
+def _sum_cols(partials, out, c0, c1):
+    raise NotImplementedError
+
+
+@overload(_sum_cols)
+def _sum_cols_impl(partials, out, c0, c1):
+    """``_sum_partials`` on columns c0..c1-1 (nothing for None)."""
+    if isinstance(partials, types.NoneType):
+        return lambda partials, out, c0, c1: None
+    return lambda partials, out, c0, c1: _sum_partials(partials, out, c0, c1)
+
+
 def _build(loop):
     """Row drivers iterating with ``loop``: prange (parallel build) or range.
 
@@ -1133,8 +1337,19 @@ def _build(loop):
     # dweight/dbias partials are summed in the driver, after the row loop: one
     # dispatch per call (a second numba call cost ~0.4 us, measured).
     @njit(**opts)
-    def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks, dweight):
-        rows = x.shape[0] * x.shape[1]
+    def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks, dweight, threads):
+        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
+        if _wide(rows, cols, threads):
+            sums = _wide_sums_table(x, rows, cols, 2)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_bwd_sums(dy, x, weight, None, rstd, sums, b)
+            _wide_bwd_stats(x, None, sums)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_bwd_store(dy, x, weight, None, rstd, dx, dweight_parts, None, sums, b,
+                                chunks, dweight, None)
+            return
         for k in loop(chunks):
             _wide_for_halves(x)
             part = _row_of(dweight_parts, k)
@@ -1155,8 +1370,19 @@ def _build(loop):
 
     @njit(**opts)
     def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
-                       chunks, dweight, dbias):
-        rows = x.shape[0] * x.shape[1]
+                       chunks, dweight, dbias, threads):
+        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
+        if _wide(rows, cols, threads):
+            sums = _wide_sums_table(x, rows, cols, 2)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b)
+            _wide_bwd_stats(x, mean, sums)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_bwd_store(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts, sums, b,
+                                chunks, dweight, dbias)
+            return
         for k in loop(chunks):
             _wide_for_halves(x)
             wpart = _row_of(dweight_parts, k)
@@ -1398,7 +1624,7 @@ def small_rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
              and _fits(weight, cols))
     chunks = _chunks_for(rows, cols, weight, None)
     _serial_rms_norm_bwd(_rows3(dy), _rows3(x), weight, rstd, _rows3(dx),
-                         _parts_for(weight, x, chunks, cols), chunks, dweight)
+                         _parts_for(weight, x, chunks, cols), chunks, dweight, 1)
 
 
 @_small
@@ -1409,7 +1635,7 @@ def small_layer_norm_bwd(dy, x, weight, bias, mean, rstd, dx, dweight, dbias):
     chunks = _chunks_for(rows, cols, weight, bias)
     _serial_layer_norm_bwd(_rows3(dy), _rows3(x), weight, mean, rstd, _rows3(dx),
                            _parts_for(weight, x, chunks, cols),
-                           _parts_for(bias, x, chunks, cols), chunks, dweight, dbias)
+                           _parts_for(bias, x, chunks, cols), chunks, dweight, dbias, 1)
 
 
 #: the small-call entries by kernel name (each applies below SMALL_BELOW[name])
@@ -1519,12 +1745,12 @@ def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
     rows = x.shape[0] * x.shape[1]
     if dweight is None:
         _run("rms_norm_bwd", "rms_norm_bwd", x, dy, x, weight, rstd,
-             None if dx is dy else dx, None, rows, None)
+             None if dx is dy else dx, None, rows, None, _thread_count())
         return
     chunks = param_chunks(rows, x.shape[2])
     parts = _partials(dweight, chunks, rstd.dtype)     # rstd is in the accumulator type
     _run("rms_norm_bwd", "rms_norm_bwd+params", x, dy, x, weight, rstd,
-         None if dx is dy else dx, parts, chunks, dweight)
+         None if dx is dy else dx, parts, chunks, dweight, _thread_count())
     if parts.base is not dweight:
         _SCRATCH.give(parts)
 
@@ -1533,14 +1759,14 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
     rows = x.shape[0] * x.shape[1]
     if dweight is None and dbias is None:
         _run("layer_norm_bwd", "layer_norm_bwd", x, dy, x, weight, mean, rstd,
-             None if dx is dy else dx, None, None, rows, None, None)
+             None if dx is dy else dx, None, None, rows, None, None, _thread_count())
         return
     chunks = param_chunks(rows, x.shape[2])
     acc_dtype = rstd.dtype                            # rstd is in the accumulator type
     wparts = _partials(dweight, chunks, acc_dtype)
     bparts = _partials(dbias, chunks, acc_dtype)
     _run("layer_norm_bwd", "layer_norm_bwd+params", x, dy, x, weight, mean, rstd,
-         None if dx is dy else dx, wparts, bparts, chunks, dweight, dbias)
+         None if dx is dy else dx, wparts, bparts, chunks, dweight, dbias, _thread_count())
     if wparts is not None and wparts.base is not dweight:
         _SCRATCH.give(wparts)
     if bparts is not None and bparts.base is not dbias:

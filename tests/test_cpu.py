@@ -1123,10 +1123,10 @@ def test_non_contiguous_layouts_run_unit_stride_loops():
     part = np.empty((1, 64), np.float32)
     args = {"softmax_fwd": (rows, out, 1), "softmax_bwd": (rows, rows, out, 1),
             "rms_norm_fwd": (rows, w, 1e-6, out, st.copy(), 1),
-            "rms_norm_bwd": (rows, rows, w, st, out, part, 1, w.copy()),
+            "rms_norm_bwd": (rows, rows, w, st, out, part, 1, w.copy(), 1),
             "layer_norm_fwd": (rows, w, w, 1e-5, out, st.copy(), st.copy(), 1),
             "layer_norm_bwd": (rows, rows, w, st, st, out, part, part.copy(), 1,
-                               w.copy(), w.copy())}
+                               w.copy(), w.copy(), 1)}
     for name, a in args.items():
         fresh = njit(cpu.SERIAL[name].py_func)      # cached code cannot be inspected
         fresh(*a)
@@ -1194,3 +1194,83 @@ def test_rows_are_batch_invariant(rng, dtype, cols):
         for rows in batched:
             for k, r in enumerate(range(0, 80, 7)):
                 assert rows[r] == alone[k], f"row {r} (parallel={parallel})"
+
+
+# ============================================= long rows: column-blocked calls
+def _norm_bwd_by_driver(op, d, threads, inplace=False):
+    """The parallel backward driver of ``op`` called with ``threads`` (2-D inputs):
+    a call of at most cpu.WIDE_ROWS rows per thread and cpu.WIDE_COLS columns or
+    more runs column-blocked, threads=0 never does (the row path)."""
+    from numba_fused import _dtypes as D
+    st = lambda a: None if a is None else D.to_storage(a)
+    x, w, b = d["x"], d["weight"], d.get("bias")
+    rows, cols = x.shape
+    dy = d["dy"].copy() if inplace else d["dy"]
+    dx = dy if inplace else poisoned(x.shape, x.dtype)
+    chunks = cpu.param_chunks(rows, cols) if w is not None or b is not None else rows
+    at = acc_dtype(x.dtype)
+    parts = [None if p is None else np.full((chunks, cols), np.nan, at) for p in (w, b)]
+    grads = [None if p is None else poisoned(p.shape, p.dtype) for p in (w, b)]
+    target = None if inplace else st(dx)[None]
+    if op == "rms_norm_bwd":
+        cpu.PARALLEL[op](st(dy)[None], st(x)[None], st(w), d["rstd"], target, parts[0],
+                         chunks, st(grads[0]), threads)
+        return dx, grads[0]
+    cpu.PARALLEL[op](st(dy)[None], st(x)[None], st(w), d["mean"], d["rstd"], target,
+                     parts[0], parts[1], chunks, st(grads[0]), st(grads[1]), threads)
+    return dx, grads[0], grads[1]
+
+
+@pytest.mark.parametrize("params", ["both", "weight", "bias", "none"])
+@pytest.mark.parametrize("shape", [(1, cpu.WIDE_COLS + 37), (5, 2 * cpu.WIDE_COLS + 3),
+                                   (13, cpu.WIDE_COLS + 3 * cpu.WIDE_BLOCK + 1)])
+@dtypes
+@pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
+def test_wide_bwd_bits_equal_row_path(rng, op, dtype, shape, params):
+    """A column-blocked backward (few rows of cpu.WIDE_COLS columns or more) gives
+    the row path's bits: dx (out of place and in place) and dweight/dbias, whose
+    per-block partials are summed in the row path's chunk order; odd rows per
+    chunk, a partial last block. And both match the reference."""
+    if op == "rms_norm_bwd" and params in ("bias", "none"):
+        params = {"bias": "weight", "none": "no weight"}[params]
+    rows, cols = shape
+    x = draw(rng, shape, dtype, loc=0.3)
+    dy = draw(rng, shape, dtype)
+    w = draw_param(rng, cols, "x", dtype) if params in ("both", "weight") else None
+    b = draw_param(rng, cols, "x", dtype, loc=0.0) if params in ("both", "bias") else None
+    if op == "rms_norm_bwd":
+        d = dict(dy=dy, x=x, weight=w, rstd=nf.rms_norm_fwd(x, w)[1])
+    else:
+        _, mean, rstd = nf.layer_norm_fwd(x, w, b)
+        d = dict(dy=dy, x=x, weight=w, bias=b, mean=mean, rstd=rstd)
+    assert rows <= cpu.WIDE_ROWS * 2 and cols >= cpu.WIDE_COLS
+    row_path = _norm_bwd_by_driver(op, d, 0)
+    for threads, inplace in ((2, False), (64, False), (2, True)):
+        wide = _norm_bwd_by_driver(op, d, threads, inplace)
+        for g, e, name in zip(wide, row_path, ("dx", "dweight", "dbias")):
+            if e is None:
+                assert g is None
+            else:
+                assert_bits_equal(g, e, f"{name}, threads={threads}, in place={inplace}")
+    check_op(op, d, row_path)
+
+
+@pytest.mark.parametrize("cols", [cpu.WIDE_COLS - 1, cpu.WIDE_COLS + cpu.WIDE_BLOCK // 2 + 3])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_long_rows_are_batch_invariant(rng, restore_threads, dtype, cols):
+    """Long rows (around cpu.WIDE_COLS, whose sums go by blocks from there on):
+    each backward row's dx has the bits of the row alone, batched (row path,
+    pipelined), column-blocked and serial; the forwards' rows too."""
+    rows = 2 * cpu.WIDE_ROWS + 3           # more than WIDE_ROWS per thread at 2 threads
+    x = draw(rng, (rows, cols), dtype, scale=2.0, loc=0.5)
+    dy = draw(rng, (rows, cols), dtype)
+    w = draw_param(rng, cols, "x", dtype)
+    numba.set_num_threads(min(2, restore_threads))
+    with cpu.forced(parallel=True):
+        batched = _row_results(x, dy, w)
+    with cpu.forced(parallel=False):
+        serial = _row_results(x, dy, w)
+    assert serial == batched
+    for r in (0, 1, rows // 2, rows - 1):
+        with cpu.forced(parallel=True):            # one row: column-blocked from WIDE_COLS
+            assert _row_results(x[r:r + 1], dy[r:r + 1], w)[0] == batched[r], f"row {r}"
