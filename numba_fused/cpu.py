@@ -237,13 +237,17 @@ def _vadd_into_impl(total, c, v, k, first):
 #: stores, so one long row runs on every thread, and a block of weight and of the
 #: dweight/dbias partials stays in cache across the rows. The rows' own passes
 #: (``*_at``) take the same sums block by block, so a row gets the same bits on
-#: either path, and the choice may depend on the rows and the threads. So far the
-#: norm backwards, whose row path ran one thread per dweight partial (one for 4
-#: rows of 1M columns) and re-read the 1 MiB partial rows for every row pair.
+#: either path, and the choice may depend on the rows and the threads: the norm
+#: backwards, whose row path ran one thread per dweight partial (one for 4 rows
+#: of 1M columns), and the norm forwards on fewer rows than threads (a row per
+#: thread on the row path). The softmax is row by row (its exp sum is not blocked).
 WIDE_COLS = 1 << 16
 WIDE_BLOCK = 1 << 13
-#: a call runs column-blocked up to this many rows per thread
+#: a backward runs column-blocked up to this many rows per thread
 WIDE_ROWS = 8
+#: a norm forward runs column-blocked from this many columns (and fewer rows than
+#: threads)
+WIDE_FWD_COLS = 1 << 18
 
 
 @_row
@@ -338,13 +342,25 @@ def _sum_sq(x, center):
 
 @_lanes_fn
 def _sum_sq_at(n, x, center):
-    """``_sum_sq`` on data pointers (see ``_lanes_fn``)."""
+    """``_sum_sq`` on data pointers (see ``_lanes_fn``); long rows by blocks (see
+    WIDE_COLS)."""
+    if n < WIDE_COLS:
+        return _sum_sq_span(x, center, 0, n)
+    ss, sd = _sum_sq_span(x, center, 0, WIDE_BLOCK)
+    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+        a, b = _sum_sq_span(x, center, c0, min(n, c0 + WIDE_BLOCK))
+        ss, sd = ss + a, sd + b
+    return ss, sd
+
+
+@_row
+def _sum_sq_span(x, center, c0, c1):
     ss = sd = lanes_zeros(x)
     step = lanes_count(ss)
-    for c in range(0, n - step + 1, step):
+    for c in range(c0, c1 - step + 1, step):
         ss, sd = _sum_sq_block(x, center, ss, sd, c, step)
-    if n % step:
-        ss, sd = _sum_sq_block(x, center, ss, sd, n - n % step, n % step)
+    if (c1 - c0) % step:
+        ss, sd = _sum_sq_block(x, center, ss, sd, c1 - (c1 - c0) % step, (c1 - c0) % step)
     return lanes_sum(ss), lanes_sum(sd)
 
 
@@ -362,13 +378,26 @@ def _moments(x, center, scale):
 
 @_lanes_fn
 def _moments_at(n, x, center, scale):
-    """``_moments`` on data pointers (see ``_lanes_fn``)."""
+    """``_moments`` on data pointers (see ``_lanes_fn``); long rows by blocks (see
+    WIDE_COLS)."""
+    if n < WIDE_COLS:
+        return _moments_span(x, center, scale, 0, n)
+    sm, ss, sd = _moments_span(x, center, scale, 0, WIDE_BLOCK)
+    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+        a, b, d = _moments_span(x, center, scale, c0, min(n, c0 + WIDE_BLOCK))
+        sm, ss, sd = sm + a, ss + b, sd + d
+    return sm, ss, sd
+
+
+@_row
+def _moments_span(x, center, scale, c0, c1):
     sm = ss = sd = lanes_zeros(x)
     step = lanes_count(ss)
-    for c in range(0, n - step + 1, step):
+    for c in range(c0, c1 - step + 1, step):
         sm, ss, sd = _moments_block(x, center, scale, sm, ss, sd, c, step)
-    if n % step:
-        sm, ss, sd = _moments_block(x, center, scale, sm, ss, sd, n - n % step, n % step)
+    if (c1 - c0) % step:
+        sm, ss, sd = _moments_block(x, center, scale, sm, ss, sd, c1 - (c1 - c0) % step,
+                                    (c1 - c0) % step)
     return lanes_sum(sm), lanes_sum(ss), lanes_sum(sd)
 
 
@@ -556,13 +585,25 @@ def _rms_norm_fwd_stage(xa, xc, weight, rstd, yc):
 
 @_lanes_fn
 def _rms_norm_fwd_stage_at(n, xa, xc, weight, rstd, yc):
-    """``_rms_norm_fwd_stage`` on data pointers (see ``_lanes_fn``)."""
+    """``_rms_norm_fwd_stage`` on data pointers (see ``_lanes_fn``); the sum of a
+    long row by blocks (see WIDE_COLS)."""
+    if n < WIDE_COLS:
+        return _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, 0, n)
+    ss = _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, 0, WIDE_BLOCK)
+    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+        ss += _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, min(n, c0 + WIDE_BLOCK))
+    return ss
+
+
+@_row
+def _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, c1):
     ss = lanes_zeros(xa)
     step = lanes_count(ss)
-    for c in range(0, n - step + 1, step):
+    for c in range(c0, c1 - step + 1, step):
         ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c, step)
-    if n % step:
-        ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, n - n % step, n % step)
+    if (c1 - c0) % step:
+        ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c1 - (c1 - c0) % step,
+                                 (c1 - c0) % step)
     return lanes_sum(ss)
 
 
@@ -727,15 +768,31 @@ def _layer_norm_fwd_stage(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
 
 @_lanes_fn
 def _layer_norm_fwd_stage_at(n, xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
-    """``_layer_norm_fwd_stage`` on data pointers (see ``_lanes_fn``)."""
+    """``_layer_norm_fwd_stage`` on data pointers (see ``_lanes_fn``); the sums of a
+    long row by blocks (see WIDE_COLS)."""
+    if n < WIDE_COLS:
+        return _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc,
+                                          0, n)
+    sm, ss, sd = _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
+                                            yc, 0, WIDE_BLOCK)
+    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+        a, b, d = _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
+                                             yc, c0, min(n, c0 + WIDE_BLOCK))
+        sm, ss, sd = sm + a, ss + b, sd + d
+    return sm, ss, sd
+
+
+@_row
+def _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, c0, c1):
     sm = ss = sd = lanes_zeros(xa)
     step = lanes_count(ss)
-    for c in range(0, n - step + 1, step):
+    for c in range(c0, c1 - step + 1, step):
         sm, ss, sd = _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
                                            yc, sm, ss, sd, c, step)
-    if n % step:
+    if (c1 - c0) % step:
         sm, ss, sd = _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
-                                           yc, sm, ss, sd, n - n % step, n % step)
+                                           yc, sm, ss, sd, c1 - (c1 - c0) % step,
+                                           (c1 - c0) % step)
     return lanes_sum(sm), lanes_sum(ss), lanes_sum(sd)
 
 
@@ -1208,6 +1265,90 @@ def _gmean_of_impl(x, mean, g):
     return lambda x, mean, g: g
 
 
+@njit(inline='always')
+def _wide_fwd(rows, cols, threads):
+    """Whether a norm forward runs column-blocked: rows of WIDE_FWD_COLS columns or
+    more, fewer than the threads (the row path runs a row per thread: single rows
+    of 262144-1M columns measured 1.24-1.82x column-blocked; with 2-16 rows per
+    thread the row path won, 1.03-1.6x from memory, where the blocked first pass
+    only reads; 1x65536 was even, three launches for 20 us; ab.py 2026-12-05)."""
+    return cols >= WIDE_FWD_COLS and rows < threads
+
+
+@_row
+def _wide_fwd_sums(x, mean, sums, b):
+    """sums[r, b] = the forward's sums of block b of every row: LayerNorm's
+    ``_moments`` about the row's shift (mean not None: a LayerNorm), RMSNorm's
+    sum of squares in sums[r, b, 1]."""
+    c0, c1 = _wide_cols(b, x.shape[2])
+    inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
+    for r in range(x.shape[0] * x.shape[1]):
+        xs = _block_cols(x, r, c0, c1)
+        sums[r, b, 0], sums[r, b, 1], sums[r, b, 2] = _fwd_block_sums(
+            xs, _row_at(x, r), mean, inv_cols)
+
+
+def _fwd_block_sums(xs, row, mean, inv_cols):
+    raise NotImplementedError
+
+
+@overload(_fwd_block_sums)
+def _fwd_block_sums_impl(xs, row, mean, inv_cols):
+    """(sum(x/n), sum((x-m0)**2), sum(x-m0)) about the row's shift for LayerNorm;
+    (0, sum(x**2), sum(x)) for RMSNorm (mean None)."""
+    if isinstance(mean, types.NoneType):
+        def rms(xs, row, mean, inv_cols):
+            ss, sd = _sum_sq(xs, acc(xs, 0.0))
+            return acc(xs, 0.0), ss, sd
+        return rms
+    return lambda xs, row, mean, inv_cols: _moments(xs, _layer_norm_shift(row), inv_cols)
+
+
+def _wide_fwd_stats(x, eps, sums, mean, rstd):
+    raise NotImplementedError
+
+
+@overload(_wide_fwd_stats)
+def _wide_fwd_stats_impl(x, eps, sums, mean, rstd):
+    """Each row's statistics from its blocks' sums (``_wide_fwd_sums``): LayerNorm's
+    mean and rstd (``_layer_norm_stats``), or RMSNorm's rstd (mean None)."""
+    if isinstance(mean, types.NoneType):
+        def rms(x, eps, sums, mean, rstd):
+            for r in range(sums.shape[0]):
+                rstd[r] = _rms_norm_rstd(_row_at(x, r), _block_total(sums, r, 1), eps)
+        return rms
+
+    def ln(x, eps, sums, mean, rstd):
+        inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
+        for r in range(sums.shape[0]):
+            mean[r], rstd[r] = _layer_norm_stats(
+                _row_at(x, r), (_block_total(sums, r, 0), _block_total(sums, r, 1),
+                                _block_total(sums, r, 2)), inv_cols, eps)
+    return ln
+
+
+@_row
+def _wide_fwd_store(x, weight, bias, mean, rstd, y, b):
+    """Block b of every row's forward store: LayerNorm's, or RMSNorm's (mean None)."""
+    c0, c1 = _wide_cols(b, x.shape[2])
+    w, bb = _cols(weight, c0, c1), _cols(bias, c0, c1)
+    for r in range(x.shape[0] * x.shape[1]):
+        _norm_store(_block_cols(x, r, c0, c1), w, bb, mean, r, rstd[r],
+                    _block_cols(y, r, c0, c1))
+
+
+def _norm_store(x, weight, bias, mean, r, rstd, y):
+    raise NotImplementedError
+
+
+@overload(_norm_store)
+def _norm_store_impl(x, weight, bias, mean, r, rstd, y):
+    if isinstance(mean, types.NoneType):
+        return lambda x, weight, bias, mean, r, rstd, y: _rms_norm_store(x, weight, rstd, y)
+    return lambda x, weight, bias, mean, r, rstd, y: _layer_norm_store(x, weight, bias,
+                                                                       mean[r], rstd, y)
+
+
 @_row
 def _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b):
     """sums[r, b] = (sum(g * xhat), sum(g)) over block b, every row."""
@@ -1290,6 +1431,32 @@ def _build(loop):
     parallel = loop is prange
     opts = dict(parallel=parallel, cache=True, nogil=True, error_model='numpy')
 
+    # Column-blocked norms (see WIDE_COLS), RMSNorm's with mean (and bias) None;
+    # called from the drivers, whose own loops they leave alone.
+    @njit(**opts)
+    def norm_fwd_blocks(x, weight, bias, eps, y, mean, rstd):
+        sums = _wide_sums_table(x, x.shape[0] * x.shape[1], x.shape[2], 3)
+        for b in loop(_wide_blocks(x.shape[2])):
+            _wide_for_halves(x)
+            _wide_fwd_sums(x, mean, sums, b)
+        _wide_fwd_stats(x, eps, sums, mean, rstd)
+        for b in loop(_wide_blocks(x.shape[2])):
+            _wide_for_halves(x)
+            _wide_fwd_store(x, weight, bias, mean, rstd, y, b)
+
+    @njit(**opts)
+    def norm_bwd_blocks(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, dweight,
+                        dbias):
+        sums = _wide_sums_table(x, x.shape[0] * x.shape[1], x.shape[2], 2)
+        for b in loop(_wide_blocks(x.shape[2])):
+            _wide_for_halves(x)
+            _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b)
+        _wide_bwd_stats(x, mean, sums)
+        for b in loop(_wide_blocks(x.shape[2])):
+            _wide_for_halves(x)
+            _wide_bwd_store(dy, x, weight, mean, rstd, dx, wparts, bparts, sums, b, chunks,
+                            dweight, dbias)
+
     @njit(**opts)
     def softmax_fwd(x, y, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
@@ -1318,7 +1485,10 @@ def _build(loop):
 
     @njit(**opts)
     def rms_norm_fwd(x, weight, eps, y, rstd, threads):
-        rows = x.shape[0] * x.shape[1]
+        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
+        if _wide_fwd(rows, cols, threads):
+            norm_fwd_blocks(x, weight, None, eps, y, None, rstd)
+            return
         chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
             _wide_for_halves(x)
@@ -1327,7 +1497,10 @@ def _build(loop):
 
     @njit(**opts)
     def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd, threads):
-        rows = x.shape[0] * x.shape[1]
+        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
+        if _wide_fwd(rows, cols, threads):
+            norm_fwd_blocks(x, weight, bias, eps, y, mean, rstd)
+            return
         chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
             _wide_for_halves(x)
@@ -1340,15 +1513,8 @@ def _build(loop):
     def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks, dweight, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
         if _wide(rows, cols, threads):
-            sums = _wide_sums_table(x, rows, cols, 2)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_bwd_sums(dy, x, weight, None, rstd, sums, b)
-            _wide_bwd_stats(x, None, sums)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_bwd_store(dy, x, weight, None, rstd, dx, dweight_parts, None, sums, b,
-                                chunks, dweight, None)
+            norm_bwd_blocks(dy, x, weight, None, rstd, dx, dweight_parts, None, chunks,
+                            dweight, None)
             return
         for k in loop(chunks):
             _wide_for_halves(x)
@@ -1373,15 +1539,8 @@ def _build(loop):
                        chunks, dweight, dbias, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
         if _wide(rows, cols, threads):
-            sums = _wide_sums_table(x, rows, cols, 2)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b)
-            _wide_bwd_stats(x, mean, sums)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_bwd_store(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts, sums, b,
-                                chunks, dweight, dbias)
+            norm_bwd_blocks(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
+                            chunks, dweight, dbias)
             return
         for k in loop(chunks):
             _wide_for_halves(x)

@@ -655,6 +655,7 @@ def _fwd_by_driver(op, d, threads):
     """The parallel forward driver of ``op`` called with ``threads`` (2-D x)."""
     from numba_fused import _dtypes as D
     x = d["x"]
+    D.load_bfloat16()          # the public calls register bfloat16 on first sight
     st = lambda a: None if a is None else D.to_storage(a)
     y = np.empty_like(x)
     k, rows = cpu.PARALLEL[op], lambda a: st(a)[None]
@@ -1274,3 +1275,28 @@ def test_long_rows_are_batch_invariant(rng, restore_threads, dtype, cols):
     for r in (0, 1, rows // 2, rows - 1):
         with cpu.forced(parallel=True):            # one row: column-blocked from WIDE_COLS
             assert _row_results(x[r:r + 1], dy[r:r + 1], w)[0] == batched[r], f"row {r}"
+
+
+@pytest.mark.parametrize("shape", [(1, cpu.WIDE_FWD_COLS + 37), (3, cpu.WIDE_FWD_COLS + 3)])
+@dtypes
+@pytest.mark.parametrize("op", ["rms_norm_fwd", "layer_norm_fwd"])
+def test_wide_fwd_bits_equal_row_path(rng, op, dtype, shape):
+    """A column-blocked norm forward (fewer rows than threads, cpu.WIDE_FWD_COLS
+    columns or more) gives the row path's bits, y and the statistics, with and
+    without parameters; a row with an outlier takes LayerNorm's second statistics
+    pass. And they match the reference."""
+    rows, cols = shape
+    x = draw(rng, shape, dtype, scale=2.0, loc=0.5)
+    x[0, 0] = 300.0                # a sampled shift element: LayerNorm's second pass
+    row, q = x[0].astype(np.float64), cols // 4
+    m0 = row[[0, q, 2 * q, 3 * q]].mean()
+    assert np.mean((row - m0) ** 2) > cpu.LN_SHIFT_COND * row.var()
+    w = draw_param(rng, cols, "x", dtype)
+    b = draw_param(rng, cols, "x", dtype, loc=0.0)
+    for weight, bias in ((w, b), (None, b), (None, None)):
+        d = dict(x=x, weight=weight, bias=bias)
+        row_path = _fwd_by_driver(op, d, 1)
+        wide = _fwd_by_driver(op, d, rows + 1)
+        for g, e in zip(wide, row_path):
+            assert_bits_equal(g, e, f"{op}, weight={weight is not None}")
+        check_op(op, d, row_path)
