@@ -1418,7 +1418,10 @@ def _build(loop):
     """Row drivers iterating with ``loop``: prange (parallel build) or range.
 
     ``loop`` is referenced in every body on purpose: numba's cache key hashes
-    the closure cells, so the two builds get distinct cache entries.
+    the closure cells, so the two builds get distinct cache entries. For the same
+    reason no body calls another jitted function of the build: a dispatcher in a
+    closure cell hashes differently in every process, and no process loaded the
+    cache (2026-12-05: CI 28 min instead of 15, and the cache test failed).
 
     Both builds are cached on disk, and compute the same bits compiled or loaded
     (tests/test_runtime.py::test_parallel_bits_equal_serial_compiled_or_cached):
@@ -1430,32 +1433,6 @@ def _build(loop):
     """
     parallel = loop is prange
     opts = dict(parallel=parallel, cache=True, nogil=True, error_model='numpy')
-
-    # Column-blocked norms (see WIDE_COLS), RMSNorm's with mean (and bias) None;
-    # called from the drivers, whose own loops they leave alone.
-    @njit(**opts)
-    def norm_fwd_blocks(x, weight, bias, eps, y, mean, rstd):
-        sums = _wide_sums_table(x, x.shape[0] * x.shape[1], x.shape[2], 3)
-        for b in loop(_wide_blocks(x.shape[2])):
-            _wide_for_halves(x)
-            _wide_fwd_sums(x, mean, sums, b)
-        _wide_fwd_stats(x, eps, sums, mean, rstd)
-        for b in loop(_wide_blocks(x.shape[2])):
-            _wide_for_halves(x)
-            _wide_fwd_store(x, weight, bias, mean, rstd, y, b)
-
-    @njit(**opts)
-    def norm_bwd_blocks(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, dweight,
-                        dbias):
-        sums = _wide_sums_table(x, x.shape[0] * x.shape[1], x.shape[2], 2)
-        for b in loop(_wide_blocks(x.shape[2])):
-            _wide_for_halves(x)
-            _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b)
-        _wide_bwd_stats(x, mean, sums)
-        for b in loop(_wide_blocks(x.shape[2])):
-            _wide_for_halves(x)
-            _wide_bwd_store(dy, x, weight, mean, rstd, dx, wparts, bparts, sums, b, chunks,
-                            dweight, dbias)
 
     @njit(**opts)
     def softmax_fwd(x, y, threads):
@@ -1486,8 +1463,15 @@ def _build(loop):
     @njit(**opts)
     def rms_norm_fwd(x, weight, eps, y, rstd, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
-        if _wide_fwd(rows, cols, threads):
-            norm_fwd_blocks(x, weight, None, eps, y, None, rstd)
+        if _wide_fwd(rows, cols, threads):    # loops of their own: see _wide_fwd_sums
+            sums = _wide_sums_table(x, rows, cols, 3)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_fwd_sums(x, None, sums, b)
+            _wide_fwd_stats(x, eps, sums, None, rstd)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_fwd_store(x, weight, None, None, rstd, y, b)
             return
         chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
@@ -1499,7 +1483,14 @@ def _build(loop):
     def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
         if _wide_fwd(rows, cols, threads):
-            norm_fwd_blocks(x, weight, bias, eps, y, mean, rstd)
+            sums = _wide_sums_table(x, rows, cols, 3)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_fwd_sums(x, mean, sums, b)
+            _wide_fwd_stats(x, eps, sums, mean, rstd)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_fwd_store(x, weight, bias, mean, rstd, y, b)
             return
         chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
@@ -1513,8 +1504,15 @@ def _build(loop):
     def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks, dweight, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
         if _wide(rows, cols, threads):
-            norm_bwd_blocks(dy, x, weight, None, rstd, dx, dweight_parts, None, chunks,
-                            dweight, None)
+            sums = _wide_sums_table(x, rows, cols, 2)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_bwd_sums(dy, x, weight, None, rstd, sums, b)
+            _wide_bwd_stats(x, None, sums)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_bwd_store(dy, x, weight, None, rstd, dx, dweight_parts, None, sums, b,
+                                chunks, dweight, None)
             return
         for k in loop(chunks):
             _wide_for_halves(x)
@@ -1539,8 +1537,15 @@ def _build(loop):
                        chunks, dweight, dbias, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
         if _wide(rows, cols, threads):
-            norm_bwd_blocks(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
-                            chunks, dweight, dbias)
+            sums = _wide_sums_table(x, rows, cols, 2)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b)
+            _wide_bwd_stats(x, mean, sums)
+            for b in loop(_wide_blocks(cols)):
+                _wide_for_halves(x)
+                _wide_bwd_store(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
+                                sums, b, chunks, dweight, dbias)
             return
         for k in loop(chunks):
             _wide_for_halves(x)
