@@ -1463,7 +1463,7 @@ def _build(loop):
     @njit(**opts)
     def rms_norm_fwd(x, weight, eps, y, rstd, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
-        if _wide_fwd(rows, cols, threads):    # loops of their own: see _wide_fwd_sums
+        if _wide_fwd(rows, cols, threads):
             sums = _wide_sums_table(x, rows, cols, 3)
             for b in loop(_wide_blocks(cols)):
                 _wide_for_halves(x)
