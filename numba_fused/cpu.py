@@ -231,8 +231,9 @@ def _vadd_into_impl(total, c, v, k, first):
 
 # --------------------------------------------------------------- reductions
 #: Long rows (WIDE_COLS columns and more) are summed by blocks of WIDE_BLOCK
-#: columns: each block in lanes, the blocks' sums added in column order. A call
-#: on few such rows (``_wide``) runs column-blocked: every thread takes a range of
+#: columns: each block in lanes, the blocks' sums added in column order. A norm
+#: call on few such rows (``_wide_bwd``, ``_wide_fwd``) runs column-blocked
+#: (``norm_fwd_blocked``, ``norm_bwd_blocked``): every thread takes a range of
 #: blocks of all rows, first their sums, then (the rows' sums added) their
 #: stores, so one long row runs on every thread, and a block of weight and of the
 #: dweight/dbias partials stays in cache across the rows. The rows' own passes
@@ -1138,7 +1139,7 @@ def _sum_block_impl(partials, out, b):
     """Block b of SUM_BLOCK columns of ``_sum_partials`` (nothing for None)."""
     if isinstance(partials, types.NoneType):
         return lambda partials, out, b: None
-    return lambda partials, out, b: _sum_partials(
+    return lambda partials, out, b: _sum_cols(
         partials, out, b * SUM_BLOCK, min(partials.shape[1], (b + 1) * SUM_BLOCK))
 
 
@@ -1195,9 +1196,8 @@ def _row_pairs_impl(x, wparts, bparts):
     return lambda x, wparts, bparts: pairs and x.shape[2] >= floor
 
 
-@njit(inline='always')
-def _wide(rows, cols, threads):
-    """Whether a call runs column-blocked: rows of WIDE_COLS columns and
+def _wide_bwd(rows, cols, threads):
+    """Whether a norm backward runs column-blocked: rows of WIDE_COLS columns and
     more, at most WIDE_ROWS per thread (more rows keep the threads busy row by row,
     and the row path's pipelining won from memory: 64x262144 ran 0.83-0.91x
     column-blocked, benchmarks/ab.py 2026-12-05)."""
@@ -1265,7 +1265,6 @@ def _gmean_of_impl(x, mean, g):
     return lambda x, mean, g: g
 
 
-@njit(inline='always')
 def _wide_fwd(rows, cols, threads):
     """Whether a norm forward runs column-blocked: rows of WIDE_FWD_COLS columns or
     more, fewer than the threads (the row path runs a row per thread: single rows
@@ -1277,31 +1276,41 @@ def _wide_fwd(rows, cols, threads):
 
 @_row
 def _wide_fwd_sums(x, mean, sums, b):
-    """sums[r, b] = the forward's sums of block b of every row: LayerNorm's
-    ``_moments`` about the row's shift (mean not None: a LayerNorm), RMSNorm's
-    sum of squares in sums[r, b, 1]."""
+    """sums[r, b] = the forward's sums of block b of every row (``_fwd_block_sums``)."""
     c0, c1 = _wide_cols(b, x.shape[2])
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
     for r in range(x.shape[0] * x.shape[1]):
-        xs = _block_cols(x, r, c0, c1)
-        sums[r, b, 0], sums[r, b, 1], sums[r, b, 2] = _fwd_block_sums(
-            xs, _row_at(x, r), mean, inv_cols)
+        _fwd_block_sums(_block_cols(x, r, c0, c1), _row_at(x, r), mean, inv_cols,
+                        sums[r, b])
 
 
-def _fwd_block_sums(xs, row, mean, inv_cols):
+def _fwd_slots(mean):
+    raise NotImplementedError
+
+
+@overload(_fwd_slots)
+def _fwd_slots_impl(mean):
+    """Sums per (row, block) of a column-blocked forward (``_fwd_block_sums``)."""
+    slots = 1 if isinstance(mean, types.NoneType) else 3
+    return lambda mean: slots
+
+
+def _fwd_block_sums(xs, row, mean, inv_cols, out):
     raise NotImplementedError
 
 
 @overload(_fwd_block_sums)
-def _fwd_block_sums_impl(xs, row, mean, inv_cols):
-    """(sum(x/n), sum((x-m0)**2), sum(x-m0)) about the row's shift for LayerNorm;
-    (0, sum(x**2), sum(x)) for RMSNorm (mean None)."""
+def _fwd_block_sums_impl(xs, row, mean, inv_cols, out):
+    """out = (sum(x/n), sum((x-m0)**2), sum(x-m0)) about the row's shift for
+    LayerNorm; (sum(x**2),) for RMSNorm (mean None)."""
     if isinstance(mean, types.NoneType):
-        def rms(xs, row, mean, inv_cols):
-            ss, sd = _sum_sq(xs, acc(xs, 0.0))
-            return acc(xs, 0.0), ss, sd
+        def rms(xs, row, mean, inv_cols, out):
+            out[0] = _sum_sq(xs, acc(xs, 0.0))[0]
         return rms
-    return lambda xs, row, mean, inv_cols: _moments(xs, _layer_norm_shift(row), inv_cols)
+
+    def ln(xs, row, mean, inv_cols, out):
+        out[0], out[1], out[2] = _moments(xs, _layer_norm_shift(row), inv_cols)
+    return ln
 
 
 def _wide_fwd_stats(x, eps, sums, mean, rstd):
@@ -1315,7 +1324,7 @@ def _wide_fwd_stats_impl(x, eps, sums, mean, rstd):
     if isinstance(mean, types.NoneType):
         def rms(x, eps, sums, mean, rstd):
             for r in range(sums.shape[0]):
-                rstd[r] = _rms_norm_rstd(_row_at(x, r), _block_total(sums, r, 1), eps)
+                rstd[r] = _rms_norm_rstd(_row_at(x, r), _block_total(sums, r, 0), eps)
         return rms
 
     def ln(x, eps, sums, mean, rstd):
@@ -1462,17 +1471,7 @@ def _build(loop):
 
     @njit(**opts)
     def rms_norm_fwd(x, weight, eps, y, rstd, threads):
-        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
-        if _wide_fwd(rows, cols, threads):
-            sums = _wide_sums_table(x, rows, cols, 3)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_fwd_sums(x, None, sums, b)
-            _wide_fwd_stats(x, eps, sums, None, rstd)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_fwd_store(x, weight, None, None, rstd, y, b)
-            return
+        rows = x.shape[0] * x.shape[1]
         chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
             _wide_for_halves(x)
@@ -1481,17 +1480,7 @@ def _build(loop):
 
     @njit(**opts)
     def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd, threads):
-        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
-        if _wide_fwd(rows, cols, threads):
-            sums = _wide_sums_table(x, rows, cols, 3)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_fwd_sums(x, mean, sums, b)
-            _wide_fwd_stats(x, eps, sums, mean, rstd)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_fwd_store(x, weight, bias, mean, rstd, y, b)
-            return
+        rows = x.shape[0] * x.shape[1]
         chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
             _wide_for_halves(x)
@@ -1501,19 +1490,8 @@ def _build(loop):
     # dweight/dbias partials are summed in the driver, after the row loop: one
     # dispatch per call (a second numba call cost ~0.4 us, measured).
     @njit(**opts)
-    def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks, dweight, threads):
-        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
-        if _wide(rows, cols, threads):
-            sums = _wide_sums_table(x, rows, cols, 2)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_bwd_sums(dy, x, weight, None, rstd, sums, b)
-            _wide_bwd_stats(x, None, sums)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_bwd_store(dy, x, weight, None, rstd, dx, dweight_parts, None, sums, b,
-                                chunks, dweight, None)
-            return
+    def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks, dweight):
+        rows = x.shape[0] * x.shape[1]
         for k in loop(chunks):
             _wide_for_halves(x)
             part = _row_of(dweight_parts, k)
@@ -1534,19 +1512,8 @@ def _build(loop):
 
     @njit(**opts)
     def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
-                       chunks, dweight, dbias, threads):
-        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
-        if _wide(rows, cols, threads):
-            sums = _wide_sums_table(x, rows, cols, 2)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b)
-            _wide_bwd_stats(x, mean, sums)
-            for b in loop(_wide_blocks(cols)):
-                _wide_for_halves(x)
-                _wide_bwd_store(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
-                                sums, b, chunks, dweight, dbias)
-            return
+                       chunks, dweight, dbias):
+        rows = x.shape[0] * x.shape[1]
         for k in loop(chunks):
             _wide_for_halves(x)
             wpart = _row_of(dweight_parts, k)
@@ -1574,6 +1541,69 @@ def _build(loop):
 
 PARALLEL = _build(prange)
 SERIAL = _build(range)
+
+
+# Column-blocked norms (see WIDE_COLS): parallel kernels of their own, which the
+# backend picks for a few long rows (``_wide_fwd``, ``_wide_bwd``). Inside the
+# row drivers they doubled the parallel builds' compile time (four float32 norm
+# drivers 16.9 -> 26.6 s cold, 2026-12-05), for every signature compiled,
+# whether or not a call ever took them. Module-level dispatchers: the backend
+# calls them, no driver does (see ``_build``).
+_blocked = njit(parallel=True, cache=True, nogil=True, error_model='numpy')
+
+
+@_blocked
+def norm_fwd_blocked(x, weight, bias, eps, y, mean, rstd):
+    """A norm forward by column blocks: the blocks' sums, each row's statistics
+    from them (serial), the blocks' stores. LayerNorm; RMSNorm with mean None."""
+    rows, cols = x.shape[0] * x.shape[1], x.shape[2]
+    sums = _wide_sums_table(x, rows, cols, _fwd_slots(mean))
+    for b in prange(_wide_blocks(cols)):
+        _wide_for_halves(x)
+        _wide_fwd_sums(x, mean, sums, b)
+    _wide_fwd_stats(x, eps, sums, mean, rstd)
+    for b in prange(_wide_blocks(cols)):
+        _wide_for_halves(x)
+        _wide_fwd_store(x, weight, bias, mean, rstd, y, b)
+
+
+@_blocked
+def norm_bwd_blocked(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts, chunks,
+                     dweight, dbias):
+    """A norm backward by column blocks: the blocks' (dot, sum(g)), each row's means
+    of them (serial), the blocks' stores with their dweight/dbias partials summed.
+    LayerNorm; RMSNorm with mean None (and no dbias)."""
+    rows, cols = x.shape[0] * x.shape[1], x.shape[2]
+    sums = _wide_sums_table(x, rows, cols, 2)
+    for b in prange(_wide_blocks(cols)):
+        _wide_for_halves(x)
+        _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b)
+    _wide_bwd_stats(x, mean, sums)
+    for b in prange(_wide_blocks(cols)):
+        _wide_for_halves(x)
+        _wide_bwd_store(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts, sums, b,
+                        chunks, dweight, dbias)
+
+
+#: the column-blocked kernels, called with the arguments of PARALLEL's drivers
+BLOCKED = dict(
+    rms_norm_fwd=lambda x, weight, eps, y, rstd, threads: norm_fwd_blocked(
+        x, weight, None, eps, y, None, rstd),
+    layer_norm_fwd=lambda x, weight, bias, eps, y, mean, rstd, threads: norm_fwd_blocked(
+        x, weight, bias, eps, y, mean, rstd),
+    rms_norm_bwd=lambda dy, x, weight, rstd, dx, parts, chunks, dweight: norm_bwd_blocked(
+        dy, x, weight, None, rstd, dx, parts, None, chunks, dweight, None),
+    layer_norm_bwd=norm_bwd_blocked)
+_BLOCKED_WHEN = dict(rms_norm_fwd=_wide_fwd, layer_norm_fwd=_wide_fwd,
+                     rms_norm_bwd=_wide_bwd, layer_norm_bwd=_wide_bwd)
+
+
+def _parallel_kernel(name, x):
+    """PARALLEL[name], or BLOCKED[name] for a norm call on a few long rows."""
+    if x.shape[2] >= WIDE_COLS and name in BLOCKED and _BLOCKED_WHEN[name](
+            x.shape[0] * x.shape[1], x.shape[2], _thread_count()):
+        return BLOCKED[name]
+    return PARALLEL[name]
 
 
 #: the serial/parallel floors in elements, by kernel key (name, or name+"+params")
@@ -1651,13 +1681,13 @@ def _run(name, key, x, *args):
     if x.size < _serial_below[key]:
         return SERIAL[name](*args)
     if not _needs_lock:
-        return PARALLEL[name](*args)
+        return _parallel_kernel(name, x)(*args)
     with _launch_lock:
         if not _calibrated:
             _calibrate()
             if x.size < _serial_below[key]:
                 return SERIAL[name](*args)
-        PARALLEL[name](*args)
+        _parallel_kernel(name, x)(*args)
         _needs_lock = numba.threading_layer() == "workqueue"
         _bind_thread_count()
 
@@ -1788,7 +1818,7 @@ def small_rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
              and _fits(weight, cols))
     chunks = _chunks_for(rows, cols, weight, None)
     _serial_rms_norm_bwd(_rows3(dy), _rows3(x), weight, rstd, _rows3(dx),
-                         _parts_for(weight, x, chunks, cols), chunks, dweight, 1)
+                         _parts_for(weight, x, chunks, cols), chunks, dweight)
 
 
 @_small
@@ -1799,7 +1829,7 @@ def small_layer_norm_bwd(dy, x, weight, bias, mean, rstd, dx, dweight, dbias):
     chunks = _chunks_for(rows, cols, weight, bias)
     _serial_layer_norm_bwd(_rows3(dy), _rows3(x), weight, mean, rstd, _rows3(dx),
                            _parts_for(weight, x, chunks, cols),
-                           _parts_for(bias, x, chunks, cols), chunks, dweight, dbias, 1)
+                           _parts_for(bias, x, chunks, cols), chunks, dweight, dbias)
 
 
 #: the small-call entries by kernel name (each applies below SMALL_BELOW[name])
@@ -1880,7 +1910,7 @@ def _run_threaded(name, x, *args):
     the thread count last: one chunk per thread (the bits do not depend on it)."""
     if x.size < _serial_below[name]:
         return SERIAL[name](*args, 1)
-    if not _needs_lock:                       # _run's common case, one call less
+    if not _needs_lock and x.shape[2] < WIDE_COLS:   # _run's common case, one call less
         return PARALLEL[name](*args, _thread_count())
     return _run(name, name, x, *args, _thread_count())
 
@@ -1909,12 +1939,12 @@ def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
     rows = x.shape[0] * x.shape[1]
     if dweight is None:
         _run("rms_norm_bwd", "rms_norm_bwd", x, dy, x, weight, rstd,
-             None if dx is dy else dx, None, rows, None, _thread_count())
+             None if dx is dy else dx, None, rows, None)
         return
     chunks = param_chunks(rows, x.shape[2])
     parts = _partials(dweight, chunks, rstd.dtype)     # rstd is in the accumulator type
     _run("rms_norm_bwd", "rms_norm_bwd+params", x, dy, x, weight, rstd,
-         None if dx is dy else dx, parts, chunks, dweight, _thread_count())
+         None if dx is dy else dx, parts, chunks, dweight)
     if parts.base is not dweight:
         _SCRATCH.give(parts)
 
@@ -1923,14 +1953,14 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
     rows = x.shape[0] * x.shape[1]
     if dweight is None and dbias is None:
         _run("layer_norm_bwd", "layer_norm_bwd", x, dy, x, weight, mean, rstd,
-             None if dx is dy else dx, None, None, rows, None, None, _thread_count())
+             None if dx is dy else dx, None, None, rows, None, None)
         return
     chunks = param_chunks(rows, x.shape[2])
     acc_dtype = rstd.dtype                            # rstd is in the accumulator type
     wparts = _partials(dweight, chunks, acc_dtype)
     bparts = _partials(dbias, chunks, acc_dtype)
     _run("layer_norm_bwd", "layer_norm_bwd+params", x, dy, x, weight, mean, rstd,
-         None if dx is dy else dx, wparts, bparts, chunks, dweight, dbias, _thread_count())
+         None if dx is dy else dx, wparts, bparts, chunks, dweight, dbias)
     if wparts is not None and wparts.base is not dweight:
         _SCRATCH.give(wparts)
     if bparts is not None and bparts.base is not dbias:
@@ -1939,35 +1969,38 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
 
 def warmup(dtypes=None, verbose=False):
     """Compile (or load from the on-disk cache) every CPU kernel for every dtype,
-    parameter dtype and layout the dispatcher produces for contiguous inputs,
-    serial and parallel builds.
-    Returns {"op/direction/dtype/param-dtype": seconds}."""
+    parameter dtype and layout the dispatcher produces for contiguous inputs:
+    serial and parallel builds, and the column-blocked norms.
+    Returns {"dtype/param-dtype/build": seconds}."""
     import numba_fused as nf
     from . import _dtypes as D
+    builds = (("serial", (1, 8)), ("parallel", (64, SERIAL_BELOW // 64 + 1)),
+              ("blocked", (1, WIDE_FWD_COLS)))     # one long row: column-blocked norms
     timings = {}
     for dtype in dtypes or D.SUPPORTED:
         dtype = np.dtype(dtype)
         rng = np.random.default_rng(0)
-        for rows in (1, 64):     # serial and parallel builds
-            shape = (rows, SERIAL_BELOW // rows + 1 if rows > 1 else 8)
+        for build, shape in builds:
             x = rng.standard_normal(shape).astype(dtype)
             dy = rng.standard_normal(shape).astype(dtype)
             for pdt in {dtype, D.float32}:
-                key = f"{dtype}/{pdt}/{'serial' if rows == 1 else 'parallel'}"
+                key = f"{dtype}/{pdt}/{build}"
                 t0 = time.perf_counter()
-                with forced(parallel=rows > 1):
-                    _warm_calls(nf, x, dy, np.ones(shape[-1], pdt))
+                with forced(parallel=build != "serial"):
+                    _warm_calls(nf, x, dy, np.ones(shape[-1], pdt),
+                                softmax=build != "blocked")
                 timings[key] = time.perf_counter() - t0
                 if verbose:
                     print(f"  {key}: {timings[key]:.2f} s")
     return timings
 
 
-def _warm_calls(nf, x, dy, w):
+def _warm_calls(nf, x, dy, w, softmax=True):
     """Every op and direction, with and without weight/bias, out= and in place."""
-    y = nf.softmax_fwd(x)
-    for out in (None, dy.copy()):      # and the in-place (out=dy) kernels
-        nf.softmax_bwd(y, dy if out is None else out, out=out)
+    if softmax:
+        y = nf.softmax_fwd(x)
+        for out in (None, dy.copy()):      # and the in-place (out=dy) kernels
+            nf.softmax_bwd(y, dy if out is None else out, out=out)
     for weight in (None, w):
         y, rstd = nf.rms_norm_fwd(x, weight)
         for out in (None, dy.copy()):

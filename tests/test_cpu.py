@@ -651,14 +651,15 @@ def _chunk_edges(rows, chunks_of):
     return sorted(edges)
 
 
-def _fwd_by_driver(op, d, threads):
-    """The parallel forward driver of ``op`` called with ``threads`` (2-D x)."""
+def _fwd_by_driver(op, d, threads, kernels=cpu.PARALLEL):
+    """The parallel forward driver of ``op`` called with ``threads`` (2-D x); of
+    ``kernels`` (cpu.BLOCKED: the column-blocked kernel)."""
     from numba_fused import _dtypes as D
     x = d["x"]
     D.load_bfloat16()          # the public calls register bfloat16 on first sight
     st = lambda a: None if a is None else D.to_storage(a)
     y = np.empty_like(x)
-    k, rows = cpu.PARALLEL[op], lambda a: st(a)[None]
+    k, rows = kernels[op], lambda a: st(a)[None]
     if op == "softmax_fwd":
         k(rows(x), rows(y), threads)
         return (y,)
@@ -1198,10 +1199,9 @@ def test_rows_are_batch_invariant(rng, dtype, cols):
 
 
 # ============================================= long rows: column-blocked calls
-def _norm_bwd_by_driver(op, d, threads, inplace=False):
-    """The parallel backward driver of ``op`` called with ``threads`` (2-D inputs):
-    a call of at most cpu.WIDE_ROWS rows per thread and cpu.WIDE_COLS columns or
-    more runs column-blocked, threads=0 never does (the row path)."""
+def _norm_bwd_by_driver(op, d, kernels, inplace=False):
+    """The backward kernel of ``op`` in ``kernels`` (cpu.PARALLEL: the row path,
+    cpu.BLOCKED: column-blocked) on 2-D inputs."""
     from numba_fused import _dtypes as D
     st = lambda a: None if a is None else D.to_storage(a)
     x, w, b = d["x"], d["weight"], d.get("bias")
@@ -1214,11 +1214,11 @@ def _norm_bwd_by_driver(op, d, threads, inplace=False):
     grads = [None if p is None else poisoned(p.shape, p.dtype) for p in (w, b)]
     target = None if inplace else st(dx)[None]
     if op == "rms_norm_bwd":
-        cpu.PARALLEL[op](st(dy)[None], st(x)[None], st(w), d["rstd"], target, parts[0],
-                         chunks, st(grads[0]), threads)
+        kernels[op](st(dy)[None], st(x)[None], st(w), d["rstd"], target, parts[0],
+                    chunks, st(grads[0]))
         return dx, grads[0]
-    cpu.PARALLEL[op](st(dy)[None], st(x)[None], st(w), d["mean"], d["rstd"], target,
-                     parts[0], parts[1], chunks, st(grads[0]), st(grads[1]), threads)
+    kernels[op](st(dy)[None], st(x)[None], st(w), d["mean"], d["rstd"], target,
+                parts[0], parts[1], chunks, st(grads[0]), st(grads[1]))
     return dx, grads[0], grads[1]
 
 
@@ -1245,14 +1245,14 @@ def test_wide_bwd_bits_equal_row_path(rng, op, dtype, shape, params):
         _, mean, rstd = nf.layer_norm_fwd(x, w, b)
         d = dict(dy=dy, x=x, weight=w, bias=b, mean=mean, rstd=rstd)
     assert rows <= cpu.WIDE_ROWS * 2 and cols >= cpu.WIDE_COLS
-    row_path = _norm_bwd_by_driver(op, d, 0)
-    for threads, inplace in ((2, False), (64, False), (2, True)):
-        wide = _norm_bwd_by_driver(op, d, threads, inplace)
+    row_path = _norm_bwd_by_driver(op, d, cpu.PARALLEL)
+    for inplace in (False, True):
+        wide = _norm_bwd_by_driver(op, d, cpu.BLOCKED, inplace)
         for g, e, name in zip(wide, row_path, ("dx", "dweight", "dbias")):
             if e is None:
                 assert g is None
             else:
-                assert_bits_equal(g, e, f"{name}, threads={threads}, in place={inplace}")
+                assert_bits_equal(g, e, f"{name}, in place={inplace}")
     check_op(op, d, row_path)
 
 
@@ -1296,7 +1296,29 @@ def test_wide_fwd_bits_equal_row_path(rng, op, dtype, shape):
     for weight, bias in ((w, b), (None, b), (None, None)):
         d = dict(x=x, weight=weight, bias=bias)
         row_path = _fwd_by_driver(op, d, 1)
-        wide = _fwd_by_driver(op, d, rows + 1)
+        wide = _fwd_by_driver(op, d, 1, cpu.BLOCKED)
         for g, e in zip(wide, row_path):
             assert_bits_equal(g, e, f"{op}, weight={weight is not None}")
         check_op(op, d, row_path)
+
+
+def test_blocked_kernels_serve_few_long_rows(restore_threads):
+    """The backend picks the column-blocked norms for a few long rows only: the
+    backwards at most cpu.WIDE_ROWS rows per thread from cpu.WIDE_COLS columns, the
+    forwards fewer rows than threads from cpu.WIDE_FWD_COLS columns; never softmax."""
+    if restore_threads < 2:
+        pytest.skip("numba has fewer than 2 threads")
+    numba.set_num_threads(2)
+    x = lambda rows, cols: np.empty((1, rows, cols), np.float32)
+    picks = {(op, rows, cols): cpu._parallel_kernel(op, x(rows, cols))
+             for op in ("rms_norm_fwd", "layer_norm_fwd", "rms_norm_bwd", "layer_norm_bwd",
+                        "softmax_fwd", "softmax_bwd")
+             for rows, cols in ((1, cpu.WIDE_COLS), (16, cpu.WIDE_COLS), (17, cpu.WIDE_COLS),
+                                (1, cpu.WIDE_COLS - 1), (1, cpu.WIDE_FWD_COLS),
+                                (2, cpu.WIDE_FWD_COLS), (64, 1024))}
+    blocked = {k for k, kernel in picks.items() if kernel is cpu.BLOCKED.get(k[0])}
+    assert all(picks[k] is cpu.PARALLEL[k[0]] for k in set(picks) - blocked)
+    assert blocked == {(op, rows, cols) for op in ("rms_norm_bwd", "layer_norm_bwd")
+                       for rows, cols in ((1, cpu.WIDE_COLS), (16, cpu.WIDE_COLS),
+                                          (1, cpu.WIDE_FWD_COLS), (2, cpu.WIDE_FWD_COLS))} | {
+        (op, 1, cpu.WIDE_FWD_COLS) for op in ("rms_norm_fwd", "layer_norm_fwd")}

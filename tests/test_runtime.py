@@ -158,7 +158,8 @@ def test_processes_filling_one_empty_cache_at_once(tmp_path):
 
 def test_warmup_reports_every_build():
     timings = cpu.warmup(dtypes=[np.float32])
-    assert set(timings) == {"float32/float32/serial", "float32/float32/parallel"}
+    assert set(timings) == {"float32/float32/serial", "float32/float32/parallel",
+                            "float32/float32/blocked"}
     assert all(t >= 0 for t in timings.values())
 
 
