@@ -1125,10 +1125,10 @@ def test_non_contiguous_layouts_run_unit_stride_loops():
     part = np.empty((1, 64), np.float32)
     args = {"softmax_fwd": (rows, out, 1), "softmax_bwd": (rows, rows, out, 1),
             "rms_norm_fwd": (rows, w, 1e-6, out, st.copy(), 1),
-            "rms_norm_bwd": (rows, rows, w, st, out, part, 1, w.copy(), 1),
+            "rms_norm_bwd": (rows, rows, w, st, out, part, 1, w.copy()),
             "layer_norm_fwd": (rows, w, w, 1e-5, out, st.copy(), st.copy(), 1),
             "layer_norm_bwd": (rows, rows, w, st, st, out, part, part.copy(), 1,
-                               w.copy(), w.copy(), 1)}
+                               w.copy(), w.copy())}
     for name, a in args.items():
         fresh = njit(cpu.SERIAL[name].py_func)      # cached code cannot be inspected
         fresh(*a)
