@@ -342,3 +342,26 @@ def restore_threads():
     n = numba.get_num_threads()
     yield numba.config.NUMBA_NUM_THREADS
     numba.set_num_threads(n)
+
+
+# ------------------------------------------------- the CUDA simulator child
+def _simulator_module(session):
+    for item in session.items:
+        if item.name == "test_gpu_cases_in_simulator":
+            return item.module
+    return None
+
+
+def pytest_collection_finish(session):
+    """Start the CUDA simulator cases (tests/test_gpu_sim.py) in the background as
+    soon as they are collected: ~2.5 min of one core beside the rest of the run."""
+    module = _simulator_module(session)
+    if module is not None and not session.config.option.collectonly:
+        module.start_cases()
+
+
+def pytest_sessionfinish(session):
+    module = _simulator_module(session)
+    if module is not None:
+        module.stop_cases()
+

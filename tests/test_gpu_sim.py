@@ -3,11 +3,13 @@
 ``NUMBA_ENABLE_CUDASIM=1`` has to be set before numba is first imported, so the
 cases run in a child pytest; its output is shown when it fails. The simulator runs
 one Python thread per CUDA thread, so the cases use tiny shapes and gpu.SIM_TABLE's
-tiny blocks (about a minute on two cores).
+tiny blocks (~2.5 min of one core; the child starts when the cases are collected and
+runs beside the rest of the suite, see ``start_cases``).
 """
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,16 +24,43 @@ def _simulator_available():
                           capture_output=True).returncode == 0
 
 
-@pytest.mark.skipif(not _simulator_available(), reason="numba's CUDA simulator is missing")
+SIMULATOR = _simulator_available()
+_cases = None       # (child process, its output file) once started
+
+
+def start_cases():
+    """Start the simulator cases' child process (once). conftest.py calls this when
+    the cases are collected, so the child (one core, ~2.5 min) runs beside the rest
+    of the suite instead of after it (CI has two cores); the test waits for it."""
+    global _cases
+    if _cases is None and SIMULATOR:
+        cmd = [sys.executable, "-m", "pytest", "tests/gpu_cases.py", "-q", "-p",
+               "no:cacheprovider", "-W", "ignore::RuntimeWarning", "-o", "addopts=", "-rfEs"]
+        out = tempfile.TemporaryFile("w+")
+        _cases = subprocess.Popen(cmd, env=_sim_env(), cwd=ROOT, stdout=out,
+                                  stderr=subprocess.STDOUT, text=True), out
+    return _cases
+
+
+def stop_cases():
+    """Kill the child if the session ends before its test waited for it."""
+    if _cases is not None and _cases[0].poll() is None:
+        _cases[0].kill()
+        _cases[0].wait()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="numba's CUDA simulator is missing")
 def test_gpu_cases_in_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cmd = [sys.executable, "-m", "pytest", "tests/gpu_cases.py", "-q", "-p", "no:cacheprovider",
-           "-W", "ignore::RuntimeWarning", "-o", "addopts=", "-rfEs"]
-    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, f"simulator cases failed (rc={p.returncode}):\n{out[-12000:]}"
-    assert " passed" in out and " failed" not in out, out[-3000:]
+    child, out = start_cases()
+    try:
+        rc = child.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise
+    out.seek(0)
+    log = out.read()
+    assert rc == 0, f"simulator cases failed (rc={rc}):\n{log[-12000:]}"
+    assert " passed" in log and " failed" not in log, log[-3000:]
 
 
 def _sim_env():
@@ -40,7 +69,7 @@ def _sim_env():
     return env
 
 
-@pytest.mark.skipif(not _simulator_available(), reason="numba's CUDA simulator is missing")
+@pytest.mark.skipif(not SIMULATOR, reason="numba's CUDA simulator is missing")
 def test_gpu_check_script_in_simulator(tmp_path):
     """benchmarks/gpu_check.sh end to end in the simulator (GPU_CHECK_SIMULATOR=1):
     versions, the benchmark's argument handling and the Markdown table."""
