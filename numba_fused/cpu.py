@@ -1423,6 +1423,18 @@ def _sum_cols_impl(partials, out, c0, c1):
     return lambda partials, out, c0, c1: _sum_partials(partials, out, c0, c1)
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def sum_partials_by_blocks(dweight_parts, dweight, dbias_parts, dbias, blocks):
+    """dweight/dbias = their partials summed (``_sum_partials``), by ``blocks``
+    blocks of SUM_BLOCK columns on all threads; None skips one. A kernel of its
+    own, which the parallel backwards call: as a second parallel loop in every
+    driver it cost 0.3-0.9 s of compile per signature (2026-12-05), where this one
+    compiles once per partial and output type."""
+    for b in prange(blocks):
+        _sum_block(dweight_parts, dweight, b)
+        _sum_block(dbias_parts, dbias, b)
+
+
 def _build(loop):
     """Row drivers iterating with ``loop``: prange (parallel build) or range.
 
@@ -1431,6 +1443,7 @@ def _build(loop):
     reason no body calls another jitted function of the build: a dispatcher in a
     closure cell hashes differently in every process, and no process loaded the
     cache (2026-12-05: CI 28 min instead of 15, and the cache test failed).
+    Module-level jitted functions are globals, not cells: the bodies call those.
 
     Both builds are cached on disk, and compute the same bits compiled or loaded
     (tests/test_runtime.py::test_parallel_bits_equal_serial_compiled_or_cached):
@@ -1505,9 +1518,9 @@ def _build(loop):
                 _rms_norm_bwd_pairs(dy, x, weight, rstd, dx, part, start, end)
         # the partials' sum: by column blocks in parallel when there are many
         blocks = _sum_blocks(dweight_parts) if parallel else 0
-        for b in loop(blocks):
-            _sum_block(dweight_parts, dweight, b)
-        if not blocks:
+        if blocks:
+            sum_partials_by_blocks(dweight_parts, dweight, None, None, blocks)
+        else:
             _sum_into(dweight_parts, dweight)
 
     @njit(**opts)
@@ -1527,10 +1540,9 @@ def _build(loop):
             else:
                 _layer_norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end)
         blocks = max(_sum_blocks(dweight_parts), _sum_blocks(dbias_parts)) if parallel else 0
-        for b in loop(blocks):
-            _sum_block(dweight_parts, dweight, b)
-            _sum_block(dbias_parts, dbias, b)
-        if not blocks:
+        if blocks:
+            sum_partials_by_blocks(dweight_parts, dweight, dbias_parts, dbias, blocks)
+        else:
             _sum_into(dweight_parts, dweight)
             _sum_into(dbias_parts, dbias)
 
