@@ -24,6 +24,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from . import _cache  # noqa: F401  (cache stamps: before any cached kernel)
 from ._dtypes import const_like, int_like
 from ._lanes import Lanes, apply, float_intrinsic, result_lanes
 

@@ -42,6 +42,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from llvmlite import ir
 
+from . import _cache  # noqa: F401  (cache stamps: before any cached kernel)
 from ._dtypes import acc, narrow, widen
 from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)

@@ -158,6 +158,44 @@ def test_block_narrow_matches_numpy_bits(half):
     assert np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
 
 
+def test_block_narrow_bfloat16_every_high_half():
+    """Every bfloat16 result, each from floats with 8 kinds of low half (ties,
+    just above and below them, odd and even), sorted: most 16-lane parts hold no
+    subnormal (vcvtneps2bf16 where the CPU has it) and the parts around 0 hold
+    only subnormals (the exact fallback)."""
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1234, 0xC000], np.uint32)
+    v = (high[:, None] | low[None, :]).ravel().view(np.float32)
+    out = np.empty(v.size, np.uint16)
+    _copy_converted(v, out, 1 << 30)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = v.astype(BF16).view(np.uint16)
+    nan = np.isnan(v)
+    assert np.array_equal(out[~nan], want[~nan])
+    assert np.array_equal(out[nan], (v[nan].view(np.uint32) >> 16) | 0x40)   # quieted
+
+
+def test_block_narrow_bfloat16_one_subnormal_among_normals():
+    """One subnormal in each lane position of a part of normal floats: the part
+    takes the exact rounding (the instruction reads subnormals as zero)."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    for i in range(64):
+        x[i, i] = np.float32(3e-39) * np.float32(1 + i / 64)
+    out = np.empty(x.size, np.uint16)
+    _copy_converted(x.ravel(), out, 1 << 30)
+    assert np.array_equal(out, x.ravel().astype(BF16).view(np.uint16))
+    assert np.count_nonzero(out.reshape(64, 64)[np.diag_indices(64)]) == 64
+
+
+@pytest.mark.skipif(not L._BF16_HW, reason="no AVX512-BF16 on this CPU")
+def test_block_narrow_bfloat16_uses_the_instruction():
+    _copy_converted(np.ones(64, np.float32), np.empty(64, np.uint16), 64)
+    asm = next(a for sig, a in _copy_converted.inspect_asm().items()
+               if str(sig[0].dtype) == "float32" and str(sig[1].dtype) == "uint16")
+    assert "vcvtneps2bf16" in asm and "vfpclassps" in asm
+
+
 @pytest.mark.parametrize("half", [F16, BF16], ids=dtype_id)
 def test_block_widen_matches_numpy_bits(half):
     bits = ALL16.view(D.storage_dtype(half))

@@ -156,6 +156,40 @@ def test_processes_filling_one_empty_cache_at_once(tmp_path):
     assert again.stdout.strip() in digests
 
 
+_STAMP_CHILD = textwrap.dedent("""
+    import numpy as np, numba_fused as nf
+    from numba_fused import cpu
+    with cpu.forced(False):
+        nf.softmax_fwd(np.arange(12, dtype=np.float32).reshape(3, 4))
+    st = cpu.SERIAL["softmax_fwd"].stats
+    print(sum(st.cache_hits.values()), sum(st.cache_misses.values()))
+""")
+
+
+def test_cache_follows_the_modules_inlined_into_kernels(tmp_path):
+    """A cached kernel of cpu.py holds code of _dtypes/_lanes/_vecmath: a change in
+    one of those alone recompiles it (numba itself checks only cpu.py's hash)."""
+    import shutil
+    pkg = tmp_path / "src" / "numba_fused"
+    shutil.copytree(ROOT / "numba_fused", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(pkg.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def run():
+        p = subprocess.run([sys.executable, "-c", _STAMP_CHILD], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return tuple(map(int, p.stdout.split()))
+
+    assert run()[1] > 0                     # compiled
+    assert run()[1] == 0                    # loaded
+    with open(pkg / "_lanes.py", "a") as f:
+        f.write("\n# an edit that changes no code\n")
+    hits, misses = run()
+    assert misses > 0, "the kernel was loaded from a cache made with another _lanes.py"
+    assert run()[1] == 0                    # and cached again
+
+
 def test_warmup_reports_every_build():
     timings = cpu.warmup(dtypes=[np.float32])
     assert set(timings) == {"float32/float32/serial", "float32/float32/parallel",
