@@ -337,6 +337,54 @@ def _softmax_fwd_block(xa, xb, mb, sb, sc, inv, yc, m, s, c, k):
 
 
 @_row
+def _softmax_long_stage(x, m, scratch, c0, c1, d1):
+    """One step of ``_softmax_fwd_long_row``: scratch[c0:c1] = exp(x - m) and their
+    sum, while it takes the max of x[c1:d1] (the next block, from memory; at most
+    c1 - c0 elements). Returns (sum, max)."""
+    return _softmax_long_stage_at(_data(x), m, _data(scratch), c0, c1, d1)
+
+
+@_lanes_fn
+def _softmax_long_stage_at(x, m, scratch, c0, c1, d1):
+    """``_softmax_long_stage`` on data pointers (see ``_lanes_fn``)."""
+    s = wide_lanes_zeros(x)
+    mx = s + acc(x, -np.inf)
+    step = lanes_count(s)
+    both = (d1 - c1) - (d1 - c1) % step          # columns of whole blocks in both
+    for i in range(0, both, step):
+        s = _exp_sum_block(x, m, scratch, s, c0 + i, step)
+        mx = fmax_skipnan(lanes_load_like(x, c1 + i, step, mx), mx)
+    if (d1 - c1) % step:
+        mx = fmax_skipnan(lanes_keep(lanes_load_like(x, c1 + both, (d1 - c1) % step, mx),
+                                     (d1 - c1) % step, acc(x, -np.inf)), mx)
+    n = c1 - c0
+    for i in range(both, n - step + 1, step):
+        s = _exp_sum_block(x, m, scratch, s, c0 + i, step)
+    if n % step and n - n % step >= both:
+        s = _exp_sum_block(x, m, scratch, s, c1 - n % step, n % step)
+    return lanes_sum(s), lanes_max(mx)
+
+
+@_row
+def _scaled_store(scratch, f, y, c0, c1):
+    """y[c0:c1] = scratch[c0:c1] * f, rounded once (scratch may be y itself)."""
+    _scaled_store_at(_data(scratch), f, _data(y), c0, c1)
+
+
+@_lanes_fn
+def _scaled_store_at(scratch, f, y, c0, c1):
+    """``_scaled_store`` on data pointers (see ``_lanes_fn``)."""
+    like = wide_lanes_zeros(scratch)
+    step = lanes_count(like)
+    n = c1 - c0
+    for c in range(c0, c1 - step + 1, step):
+        lanes_store(y, c, lanes_load_like(scratch, c, step, like) * f, step)
+    if n % step:
+        c, k = c1 - n % step, n % step
+        lanes_store(y, c, lanes_load_like(scratch, c, k, like) * f, k)
+
+
+@_row
 def _sum_sq(x, center):
     """(sum((x - center)**2), sum(x - center))."""
     return _sum_sq_at(x.shape[0], _data(x), center)
@@ -499,6 +547,58 @@ def _softmax_fwd_rows(x, y, lo, hi, sa, sb, spare):
         inv = acc(x, 1.0) / sum_b
         sa, sb = sb, sa        # row b's exps move to stage C
         mb = ma
+
+
+#: softmax rows longer than PIPELINE_COLS run by blocks of this many columns
+#: (``_softmax_fwd_long_row``)
+LONG_BLOCK = 1 << 13
+
+
+@_row
+def _softmax_fwd_long_row(x, y, scratch, bmax, bsum):
+    """y = softmax(x) for a row of more than PIPELINE_COLS columns, by blocks of
+    LONG_BLOCK: block j's exps e = exp(x - m_j) about its own max m_j, and their
+    sum s_j, go into ``scratch`` while the next block's max is taken (x is read from
+    memory once, the exps while the block is in L1); then
+    y = e * exp(m_j - M) / S with M = max(m_j), S = sum(s_j * exp(m_j - M)).
+
+    Why: a row past the L2 holds x and the exps' scratch in two MiB for the plain
+    three passes (max, exps, store), which then wait on the L3 and memory in turn;
+    here memory is read in the pass that computes the exps, and the store pass
+    reads only scratch. The path depends on the column count alone, so a row's
+    bits do not depend on the rows beside it. The exps take one more rounding
+    (the factor) than ``_softmax_fwd_row``'s. A block of -inf only (masking) has
+    e = 0 and factor 0; NaN and +inf give NaN rows, and a row of -inf only NaN,
+    as ``_softmax_fwd_row``."""
+    n = x.shape[0]
+    blocks = (n + LONG_BLOCK - 1) // LONG_BLOCK
+    ninf = acc(x, -np.inf)
+    mx = _max(x[:LONG_BLOCK])
+    for j in range(blocks):
+        c0 = j * LONG_BLOCK
+        c1 = min(n, c0 + LONG_BLOCK)
+        bmax[j] = mx
+        m = acc(x, 0.0) if mx == ninf else mx   # exp(-inf - 0) = 0: e = 0, not NaN
+        bsum[j], mx = _softmax_long_stage(x, m, scratch, c0, c1, min(n, c1 + LONG_BLOCK))
+    top = ninf
+    for j in range(blocks):
+        top = max(top, bmax[j])
+    total = acc(x, 0.0)
+    for j in range(blocks):
+        total += bsum[j] * _long_factor(x, bmax[j], top)
+    inv = acc(x, 1.0) / total
+    for j in range(blocks):
+        _scaled_store(scratch, _long_factor(x, bmax[j], top) * inv, y, j * LONG_BLOCK,
+                      min(n, (j + 1) * LONG_BLOCK))
+
+
+@_row
+def _long_factor(x, m, top):
+    """exp(m - top): 0 for a block of -inf only in a row that has a larger value;
+    NaN when the row is -inf only (top = -inf: -inf - -inf)."""
+    if m == -np.inf and top != -np.inf:
+        return acc(x, 0.0)
+    return fexp_nonpos(m - top)
 
 
 @_row
@@ -1068,6 +1168,20 @@ def _target_impl(dx, dy):
     return lambda dx, dy: dx
 
 
+def _exps_into(y, scratch):
+    """Where a long row's exps go (``_softmax_fwd_long_row``): y itself when y's
+    type is the accumulator type (the store then rescales y in place: the same
+    bits, one row less in the caches), else the accumulator-typed scratch."""
+    raise NotImplementedError
+
+
+@overload(_exps_into)
+def _exps_into_impl(y, scratch):
+    if y.dtype == scratch.dtype:
+        return lambda y, scratch: y
+    return lambda y, scratch: scratch
+
+
 def _acc_empty(x, n):
     raise NotImplementedError
 
@@ -1468,12 +1582,21 @@ def _build(loop):
                                   _acc_empty(x, cols), _acc_empty(x, cols),
                                   np.empty(cols, y.dtype))
         else:
-            chunks = min(rows, 16 * MAX_CHUNKS)
+            blocks = (cols + LONG_BLOCK - 1) // LONG_BLOCK if cols > PIPELINE_COLS else 0
+            # long rows: a chunk per thread, whose scratch row (MiBs) is allocated once
+            chunks = _thread_chunks(rows, threads, parallel) if blocks else min(rows, 16 * MAX_CHUNKS)
             for k in loop(chunks):
                 _wide_vectors()
                 scratch = _acc_empty(x, cols)
-                for r in range(k * rows // chunks, (k + 1) * rows // chunks):
-                    _softmax_fwd_row(_row_at(x, r), _row_at(y, r), scratch)
+                if blocks:       # long rows (one parallel loop: each costs compile time)
+                    bmax, bsum = _acc_empty(x, blocks), _acc_empty(x, blocks)
+                    for r in range(k * rows // chunks, (k + 1) * rows // chunks):
+                        yr = _row_at(y, r)
+                        _softmax_fwd_long_row(_row_at(x, r), yr, _exps_into(yr, scratch),
+                                              bmax, bsum)
+                else:
+                    for r in range(k * rows // chunks, (k + 1) * rows // chunks):
+                        _softmax_fwd_row(_row_at(x, r), _row_at(y, r), scratch)
 
     @njit(**opts)
     def softmax_bwd(y, dy, dx, threads):
