@@ -713,6 +713,49 @@ def test_softmax_fwd_pipelined(rng, restore_threads, dtype, rows, cols):
     assert_bits_equal(nf.softmax_fwd(x[perm]), y[perm], "rows permuted")
 
 
+@pytest.mark.parametrize("cols", [cpu.PIPELINE_COLS + 1, cpu.PIPELINE_COLS + 3 * cpu.LONG_BLOCK + 5])
+@dtypes
+def test_softmax_fwd_long_rows(rng, restore_threads, dtype, cols):
+    """Rows longer than PIPELINE_COLS go by blocks of LONG_BLOCK with a max per
+    block: whole blocks of -inf (the first, one inside, the partial last) give
+    exact zeros beside finite values, special rows keep the documented results,
+    rows of huge values do not overflow, every row matches the reference, and a
+    row's bits are the same alone, batched, serial, parallel and on any thread
+    count."""
+    B = cpu.LONG_BLOCK
+    x = draw(rng, (8, cols), dtype, scale=2.0)
+    x[0, :B] = -np.inf                     # the first block: its max is -inf
+    x[0, 2 * B:3 * B] = -np.inf
+    x[0, [B + 1, cols // 2, cols - 1]] = -np.inf
+    x[1, :] = -np.inf                      # all -inf: NaN
+    x[2, cols // 3] = np.nan
+    x[3, cols - 1] = np.inf
+    x[4, cols - cols % B:] = -np.inf       # the partial last block
+    x[4, 5] = x[4, 5] + 8                  # one block's max far above the others
+    big = 3e4 if np.dtype(dtype) == F16 else 1e30
+    x[5] = (big * (1 + (np.arange(cols) % 7) / 64.0)).astype(dtype)
+    x[6, B:] = x[6, B:] - 40               # later blocks' exps scaled far down
+    results = []
+    for parallel, threads in ((False, 1), (True, 1), (True, 2)):
+        numba.set_num_threads(min(threads, restore_threads))
+        with cpu.forced(parallel):
+            results.append(nf.softmax_fwd(x, out=poisoned(x.shape, dtype)))
+    results += [_fwd_by_driver("softmax_fwd", dict(x=x), t)[0] for t in DRIVER_THREADS]
+    y = results[0]
+    for other in results[1:]:
+        assert_bits_equal(other, y, "serial vs parallel, threads 1, 2, 3, 5")
+    for r in (0, 4, 7):
+        assert_bits_equal(nf.softmax_fwd(x[r:r + 1])[0], y[r], f"row {r} alone")
+    zero = np.isneginf(x[0])
+    assert np.all(y[0, zero] == 0) and not np.any(np.signbit(y[0, zero]))
+    assert np.all(y[4, cols - cols % B:] == 0)
+    for r in (1, 2, 3):
+        assert np.all(np.isnan(y[r])), f"row {r}"
+    finite = [0, 4, 5, 6, 7]
+    assert np.all(np.isfinite(y[finite]))
+    assert_close(y[finite], ref.softmax_fwd(x[finite]), what="y")
+
+
 @pytest.mark.parametrize("rows", [4, 13, 97])
 @pytest.mark.parametrize("cols", [1, 33, 1000])
 @pytest.mark.parametrize("op", ["rms_norm_fwd", "layer_norm_fwd"])
