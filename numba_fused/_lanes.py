@@ -355,6 +355,30 @@ def lanes_store(typingctx, arr, c, v, k):
 
 
 @intrinsic
+def prefetch(typingctx, arr, c):
+    """Prefetch the two cache lines from &arr[c] (a hint: never faults, even past
+    the array's end, and never changes a result)."""
+    if not (_is_lanes_array(arr) and isinstance(c, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aty = sig.args[0]
+        base = args[0]
+        if not isinstance(aty, types.CPointer):
+            base = context.make_array(aty)(context, builder, base).data
+        ptr = builder.bitcast(builder.gep(base, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
+            "llvm.prefetch.p0")
+        for offset in (0, 64):
+            p = builder.gep(ptr, [ir.Constant(ir.IntType(64), offset)])
+            builder.call(fn, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(arr, types.intp), codegen
+
+
+@intrinsic
 def lanes_keep(typingctx, v, k, fill):
     """v with lanes k and up replaced by ``fill``."""
     if not (isinstance(v, Lanes) and isinstance(k, types.Integer)

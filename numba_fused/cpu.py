@@ -44,7 +44,7 @@ from llvmlite import ir
 
 from . import _cache  # noqa: F401  (cache stamps: before any cached kernel)
 from ._dtypes import acc, narrow, widen
-from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store,
+from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store, prefetch,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
 from ._lanes import data as _data
 from ._vecmath import fexp_nonpos, fmax_skipnan
@@ -250,6 +250,10 @@ WIDE_ROWS = 8
 #: a norm forward runs column-blocked from this many columns (and fewer rows than
 #: threads)
 WIDE_FWD_COLS = 1 << 18
+#: elements ahead of a pipelined forward's read stream that its float16/bfloat16
+#: passes prefetch (``_prefetch_halves``; 2048 and 4096 measured worse for the
+#: softmax and rms_norm, 2026-12-05; the backwards' four streams gained nothing)
+PREFETCH_AHEAD = 1024
 
 
 @_row
@@ -321,6 +325,7 @@ def _softmax_fwd_stage_at(n, xa, xb, mb, sb, sc, inv, yc):
     m = s + acc(xa, -np.inf)
     step = lanes_count(s)
     for c in range(0, n - step + 1, step):
+        _prefetch_halves(xa, c + PREFETCH_AHEAD)
         m, s = _softmax_fwd_block(xa, xb, mb, sb, sc, inv, yc, m, s, c, step)
     if n % step:
         m, s = _softmax_fwd_block(xa, xb, mb, sb, sc, inv, yc, m, s, n - n % step, n % step)
@@ -702,6 +707,7 @@ def _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, c1):
     ss = lanes_zeros(xa)
     step = lanes_count(ss)
     for c in range(c0, c1 - step + 1, step):
+        _prefetch_halves(xa, c + PREFETCH_AHEAD)
         ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c, step)
     if (c1 - c0) % step:
         ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c1 - (c1 - c0) % step,
@@ -889,6 +895,7 @@ def _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, y
     sm = ss = sd = lanes_zeros(xa)
     step = lanes_count(ss)
     for c in range(c0, c1 - step + 1, step):
+        _prefetch_halves(xa, c + PREFETCH_AHEAD)
         sm, ss, sd = _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
                                            yc, sm, ss, sd, c, step)
     if (c1 - c0) % step:
@@ -1180,6 +1187,23 @@ def _exps_into_impl(y, scratch):
     if y.dtype == scratch.dtype:
         return lambda y, scratch: y
     return lambda y, scratch: scratch
+
+
+def _prefetch_halves(a, c):
+    """``prefetch(a, c)`` for float16/bfloat16 rows, nothing for float32/float64:
+    the pipelined forwards' read streams, PREFETCH_AHEAD elements ahead. Why: the
+    half forwards spend ~2x the compute per byte, and the hardware prefetchers
+    alone left memory idle during it (ab.py --evict 512, 2026-12-05, bfloat16
+    4096x4096 and 65536x1024: layer_norm fwd 1.15-1.32x, rms_norm fwd 1.05-1.07x,
+    softmax fwd 1.04-1.09x; float32 0.85-1.07x, noise, so not there)."""
+    raise NotImplementedError
+
+
+@overload(_prefetch_halves)
+def _prefetch_halves_impl(a, c):
+    if a.dtype in (types.int16, types.uint16):
+        return lambda a, c: prefetch(a, c)
+    return lambda a, c: None
 
 
 def _acc_empty(x, n):
@@ -1582,21 +1606,12 @@ def _build(loop):
                                   _acc_empty(x, cols), _acc_empty(x, cols),
                                   np.empty(cols, y.dtype))
         else:
-            blocks = (cols + LONG_BLOCK - 1) // LONG_BLOCK if cols > PIPELINE_COLS else 0
-            # long rows: a chunk per thread, whose scratch row (MiBs) is allocated once
-            chunks = _thread_chunks(rows, threads, parallel) if blocks else min(rows, 16 * MAX_CHUNKS)
+            chunks = min(rows, 16 * MAX_CHUNKS)
             for k in loop(chunks):
                 _wide_vectors()
                 scratch = _acc_empty(x, cols)
-                if blocks:       # long rows (one parallel loop: each costs compile time)
-                    bmax, bsum = _acc_empty(x, blocks), _acc_empty(x, blocks)
-                    for r in range(k * rows // chunks, (k + 1) * rows // chunks):
-                        yr = _row_at(y, r)
-                        _softmax_fwd_long_row(_row_at(x, r), yr, _exps_into(yr, scratch),
-                                              bmax, bsum)
-                else:
-                    for r in range(k * rows // chunks, (k + 1) * rows // chunks):
-                        _softmax_fwd_row(_row_at(x, r), _row_at(y, r), scratch)
+                for r in range(k * rows // chunks, (k + 1) * rows // chunks):
+                    _softmax_fwd_row(_row_at(x, r), _row_at(y, r), scratch)
 
     @njit(**opts)
     def softmax_bwd(y, dy, dx, threads):
@@ -1734,12 +1749,53 @@ _BLOCKED_WHEN = dict(rms_norm_fwd=_wide_fwd, layer_norm_fwd=_wide_fwd,
                      rms_norm_bwd=_wide_bwd, layer_norm_bwd=_wide_bwd)
 
 
+def _build_long(loop):
+    """The softmax forward on rows of more than PIPELINE_COLS columns
+    (``_softmax_fwd_long_row``), parallel (prange) or serial: kernels of their
+    own, with the drivers' arguments, for the reason of the column-blocked norms
+    (inside the softmax drivers this path cost every signature 1.3 s of parallel
+    and 0.5 s of serial compile, 2026-12-05). ``loop`` is referenced in the body
+    (see ``_build``)."""
+    parallel = loop is prange
+
+    @njit(parallel=parallel, cache=True, nogil=True, error_model='numpy')
+    def softmax_fwd_long(x, y, threads):
+        rows, cols = x.shape[0] * x.shape[1], x.shape[2]
+        blocks = (cols + LONG_BLOCK - 1) // LONG_BLOCK
+        chunks = _thread_chunks(rows, threads, parallel)   # one scratch row per thread
+        for k in loop(chunks):
+            _wide_vectors()
+            scratch = _acc_empty(x, cols)
+            bmax, bsum = _acc_empty(x, blocks), _acc_empty(x, blocks)
+            for r in range(k * rows // chunks, (k + 1) * rows // chunks):
+                yr = _row_at(y, r)
+                _softmax_fwd_long_row(_row_at(x, r), yr, _exps_into(yr, scratch), bmax, bsum)
+    return softmax_fwd_long
+
+
+#: the long-row softmax forwards, by build
+LONG = dict(parallel=_build_long(prange), serial=_build_long(range))
+
+
+def _long(name, x):
+    return name == "softmax_fwd" and x.shape[2] > PIPELINE_COLS
+
+
 def _parallel_kernel(name, x):
-    """PARALLEL[name], or BLOCKED[name] for a norm call on a few long rows."""
-    if x.shape[2] >= WIDE_COLS and name in BLOCKED and _BLOCKED_WHEN[name](
-            x.shape[0] * x.shape[1], x.shape[2], _thread_count()):
-        return BLOCKED[name]
+    """PARALLEL[name], or BLOCKED[name] for a norm call on a few long rows, or
+    LONG's for a softmax forward on long rows."""
+    if x.shape[2] >= WIDE_COLS:
+        if _long(name, x):
+            return LONG["parallel"]
+        if name in BLOCKED and _BLOCKED_WHEN[name](x.shape[0] * x.shape[1], x.shape[2],
+                                                   _thread_count()):
+            return BLOCKED[name]
     return PARALLEL[name]
+
+
+def _serial_kernel(name, x):
+    """SERIAL[name], or LONG's for a softmax forward on long rows."""
+    return LONG["serial"] if _long(name, x) else SERIAL[name]
 
 
 #: the serial/parallel floors in elements, by kernel key (name, or name+"+params")
@@ -1815,14 +1871,14 @@ def _run(name, key, x, *args):
     """
     global _needs_lock
     if x.size < _serial_below[key]:
-        return SERIAL[name](*args)
+        return _serial_kernel(name, x)(*args)
     if not _needs_lock:
         return _parallel_kernel(name, x)(*args)
     with _launch_lock:
         if not _calibrated:
             _calibrate()
             if x.size < _serial_below[key]:
-                return SERIAL[name](*args)
+                return _serial_kernel(name, x)(*args)
         _parallel_kernel(name, x)(*args)
         _needs_lock = numba.threading_layer() == "workqueue"
         _bind_thread_count()
@@ -2045,7 +2101,7 @@ def _run_threaded(name, x, *args):
     """``_run`` for the pipelined drivers (the forwards and softmax_bwd), which take
     the thread count last: one chunk per thread (the bits do not depend on it)."""
     if x.size < _serial_below[name]:
-        return SERIAL[name](*args, 1)
+        return (SERIAL[name] if x.shape[2] < WIDE_COLS else _serial_kernel(name, x))(*args, 1)
     if not _needs_lock and x.shape[2] < WIDE_COLS:   # _run's common case, one call less
         return PARALLEL[name](*args, _thread_count())
     return _run(name, name, x, *args, _thread_count())
@@ -2111,7 +2167,8 @@ def warmup(dtypes=None, verbose=False):
     import numba_fused as nf
     from . import _dtypes as D
     builds = (("serial", (1, 8)), ("parallel", (64, SERIAL_BELOW // 64 + 1)),
-              ("blocked", (1, WIDE_FWD_COLS)))     # one long row: column-blocked norms
+              ("blocked", (1, WIDE_FWD_COLS)))     # one long row: column-blocked norms,
+    #                                                 long-row softmax forwards
     timings = {}
     for dtype in dtypes or D.SUPPORTED:
         dtype = np.dtype(dtype)
@@ -2125,6 +2182,10 @@ def warmup(dtypes=None, verbose=False):
                 with forced(parallel=build != "serial"):
                     _warm_calls(nf, x, dy, np.ones(shape[-1], pdt),
                                 softmax=build != "blocked")
+                if build == "blocked" and pdt == dtype:
+                    for parallel in (True, False):
+                        with forced(parallel):
+                            nf.softmax_fwd(x)
                 timings[key] = time.perf_counter() - t0
                 if verbose:
                     print(f"  {key}: {timings[key]:.2f} s")

@@ -740,10 +740,17 @@ def test_softmax_fwd_long_rows(rng, restore_threads, dtype, cols):
         numba.set_num_threads(min(threads, restore_threads))
         with cpu.forced(parallel):
             results.append(nf.softmax_fwd(x, out=poisoned(x.shape, dtype)))
-    results += [_fwd_by_driver("softmax_fwd", dict(x=x), t)[0] for t in DRIVER_THREADS]
+    results += [_fwd_by_driver("softmax_fwd", dict(x=x), t, {"softmax_fwd": k})[0]
+                for k in cpu.LONG.values() for t in DRIVER_THREADS]
     y = results[0]
     for other in results[1:]:
         assert_bits_equal(other, y, "serial vs parallel, threads 1, 2, 3, 5")
+    x3 = x[None]
+    assert cpu._parallel_kernel("softmax_fwd", x3) is cpu.LONG["parallel"]
+    assert cpu._serial_kernel("softmax_fwd", x3) is cpu.LONG["serial"]
+    if dtype in (F32, F64):                 # the half types' rounding may hide it
+        row_path = _fwd_by_driver("softmax_fwd", dict(x=x), 2)[0]
+        assert not np.array_equal(row_path[7], y[7]), "not the long-row path"
     for r in (0, 4, 7):
         assert_bits_equal(nf.softmax_fwd(x[r:r + 1])[0], y[r], f"row {r} alone")
     zero = np.isneginf(x[0])
@@ -1356,7 +1363,8 @@ def test_wide_fwd_bits_equal_row_path(rng, op, dtype, shape):
 def test_blocked_kernels_serve_few_long_rows(restore_threads):
     """The backend picks the column-blocked norms for a few long rows only: the
     backwards at most cpu.WIDE_ROWS rows per thread from cpu.WIDE_COLS columns, the
-    forwards fewer rows than threads from cpu.WIDE_FWD_COLS columns; never softmax."""
+    forwards fewer rows than threads from cpu.WIDE_FWD_COLS columns; never softmax,
+    whose forward takes cpu.LONG's kernels past cpu.PIPELINE_COLS columns."""
     if restore_threads < 2:
         pytest.skip("numba has fewer than 2 threads")
     numba.set_num_threads(2)
@@ -1368,7 +1376,11 @@ def test_blocked_kernels_serve_few_long_rows(restore_threads):
                                 (1, cpu.WIDE_COLS - 1), (1, cpu.WIDE_FWD_COLS),
                                 (2, cpu.WIDE_FWD_COLS), (64, 1024))}
     blocked = {k for k, kernel in picks.items() if kernel is cpu.BLOCKED.get(k[0])}
-    assert all(picks[k] is cpu.PARALLEL[k[0]] for k in set(picks) - blocked)
+    long = {k for k, kernel in picks.items() if kernel is cpu.LONG["parallel"]}
+    assert long == {("softmax_fwd", rows, cols) for rows, cols in (
+        (1, cpu.WIDE_FWD_COLS), (2, cpu.WIDE_FWD_COLS))}
+    assert cpu.PIPELINE_COLS == cpu.WIDE_COLS          # the pairs above straddle both
+    assert all(picks[k] is cpu.PARALLEL[k[0]] for k in set(picks) - blocked - long)
     assert blocked == {(op, rows, cols) for op in ("rms_norm_bwd", "layer_norm_bwd")
                        for rows, cols in ((1, cpu.WIDE_COLS), (16, cpu.WIDE_COLS),
                                           (1, cpu.WIDE_FWD_COLS), (2, cpu.WIDE_FWD_COLS))} | {
