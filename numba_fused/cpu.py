@@ -577,24 +577,39 @@ def _softmax_fwd_long_row(x, y, scratch, bmax, bsum):
     as ``_softmax_fwd_row``."""
     n = x.shape[0]
     blocks = (n + LONG_BLOCK - 1) // LONG_BLOCK
-    ninf = acc(x, -np.inf)
     mx = _max(x[:LONG_BLOCK])
     for j in range(blocks):
-        c0 = j * LONG_BLOCK
-        c1 = min(n, c0 + LONG_BLOCK)
-        bmax[j] = mx
-        m = acc(x, 0.0) if mx == ninf else mx   # exp(-inf - 0) = 0: e = 0, not NaN
-        bsum[j], mx = _softmax_long_stage(x, m, scratch, c0, c1, min(n, c1 + LONG_BLOCK))
-    top = ninf
+        mx = _long_block_exps(x, scratch, bmax, bsum, j, mx, min(n, (j + 2) * LONG_BLOCK))
+    _long_factors(x, bmax, bsum)
     for j in range(blocks):
+        _scaled_store(scratch, bsum[j], y, j * LONG_BLOCK, min(n, (j + 1) * LONG_BLOCK))
+
+
+@_row
+def _long_block_exps(x, scratch, bmax, bsum, j, mx, d1):
+    """Block j of a long row (``_softmax_fwd_long_row``), whose max is mx: records
+    it in bmax[j], stores the block's exps about it into scratch and their sum in
+    bsum[j]; returns the max of x[end of block j:d1] (the next block, or nothing)."""
+    c0 = j * LONG_BLOCK
+    bmax[j] = mx
+    m = acc(x, 0.0) if mx == -np.inf else mx   # exp(-inf - 0) = 0: e = 0, not NaN
+    bsum[j], mx = _softmax_long_stage(x, m, scratch, c0, min(x.shape[0], c0 + LONG_BLOCK), d1)
+    return mx
+
+
+@_row
+def _long_factors(x, bmax, bsum):
+    """bsum[j] = exp(bmax[j] - M) / S, the store's factor per block, from the blocks'
+    maxima and sums: M = max(bmax), S = sum(bsum[j] * exp(bmax[j] - M)) in block order."""
+    top = acc(x, -np.inf)
+    for j in range(bmax.shape[0]):
         top = max(top, bmax[j])
     total = acc(x, 0.0)
-    for j in range(blocks):
+    for j in range(bmax.shape[0]):
         total += bsum[j] * _long_factor(x, bmax[j], top)
     inv = acc(x, 1.0) / total
-    for j in range(blocks):
-        _scaled_store(scratch, _long_factor(x, bmax[j], top) * inv, y, j * LONG_BLOCK,
-                      min(n, (j + 1) * LONG_BLOCK))
+    for j in range(bmax.shape[0]):
+        bsum[j] = _long_factor(x, bmax[j], top) * inv
 
 
 @_row
@@ -1206,6 +1221,18 @@ def _prefetch_halves_impl(a, c):
     return lambda a, c: None
 
 
+def _scratch_elems(y, x, n):
+    """n, or 0 when y's type is x's accumulator type (``_exps_into`` takes y)."""
+    raise NotImplementedError
+
+
+@overload(_scratch_elems)
+def _scratch_elems_impl(y, x, n):
+    if y.dtype == (types.float64 if x.dtype == types.float64 else types.float32):
+        return lambda y, x, n: 0
+    return lambda y, x, n: n
+
+
 def _acc_empty(x, n):
     raise NotImplementedError
 
@@ -1773,8 +1800,46 @@ def _build_long(loop):
     return softmax_fwd_long
 
 
-#: the long-row softmax forwards, by build
-LONG = dict(parallel=_build_long(prange), serial=_build_long(range))
+@_blocked
+def softmax_fwd_long_blocked(x, y, threads):
+    """The long-row softmax forward for fewer rows than threads: each thread takes
+    a range of the (row, block) pieces, first their exps and sums, then (each row's
+    factors from them) their stores; the bits of ``_softmax_fwd_long_row``, whose
+    steps it runs. Exps go to y as there, or to a scratch of every row."""
+    rows, cols = x.shape[0] * x.shape[1], x.shape[2]
+    blocks = (cols + LONG_BLOCK - 1) // LONG_BLOCK
+    pieces = rows * blocks
+    chunks = max(1, min(threads, pieces))
+    bmax, bsum = _acc_empty(x, pieces), _acc_empty(x, pieces)
+    scratch = _acc_empty(x, _scratch_elems(y, x, rows * cols))
+    for k in prange(chunks):
+        _wide_vectors()
+        mx = acc(x, -np.inf)
+        lo, hi = k * pieces // chunks, (k + 1) * pieces // chunks
+        for p in range(lo, hi):
+            r, j = p // blocks, p % blocks
+            xr = _row_at(x, r)
+            if p == lo or j == 0:
+                mx = _max(xr[j * LONG_BLOCK:min(cols, (j + 1) * LONG_BLOCK)])
+            more = p + 1 < hi and j + 1 < blocks        # the next block is this chunk's
+            mx = _long_block_exps(xr, _exps_into(_row_at(y, r), scratch[r * cols:(r + 1) * cols]),
+                                  bmax[r * blocks:(r + 1) * blocks],
+                                  bsum[r * blocks:(r + 1) * blocks], j, mx,
+                                  min(cols, (j + 2 if more else j + 1) * LONG_BLOCK))
+    for r in range(rows):
+        _long_factors(x, bmax[r * blocks:(r + 1) * blocks], bsum[r * blocks:(r + 1) * blocks])
+    for k in prange(chunks):
+        _wide_vectors()
+        for p in range(k * pieces // chunks, (k + 1) * pieces // chunks):
+            r, j = p // blocks, p % blocks
+            yr = _row_at(y, r)
+            _scaled_store(_exps_into(yr, scratch[r * cols:(r + 1) * cols]), bsum[p], yr,
+                          j * LONG_BLOCK, min(cols, (j + 1) * LONG_BLOCK))
+
+
+#: the long-row softmax forwards, by build; "blocked" for fewer rows than threads
+LONG = dict(parallel=_build_long(prange), serial=_build_long(range),
+            blocked=softmax_fwd_long_blocked)
 
 
 def _long(name, x):
@@ -1783,10 +1848,11 @@ def _long(name, x):
 
 def _parallel_kernel(name, x):
     """PARALLEL[name], or BLOCKED[name] for a norm call on a few long rows, or
-    LONG's for a softmax forward on long rows."""
+    LONG's for a softmax forward on long rows (by pieces for fewer rows than
+    threads: the same bits)."""
     if x.shape[2] >= WIDE_COLS:
         if _long(name, x):
-            return LONG["parallel"]
+            return LONG["blocked" if x.shape[0] * x.shape[1] < _thread_count() else "parallel"]
         if name in BLOCKED and _BLOCKED_WHEN[name](x.shape[0] * x.shape[1], x.shape[2],
                                                    _thread_count()):
             return BLOCKED[name]
@@ -2182,10 +2248,11 @@ def warmup(dtypes=None, verbose=False):
                 with forced(parallel=build != "serial"):
                     _warm_calls(nf, x, dy, np.ones(shape[-1], pdt),
                                 softmax=build != "blocked")
-                if build == "blocked" and pdt == dtype:
-                    for parallel in (True, False):
+                if build == "blocked" and pdt == dtype:   # LONG: blocked, parallel, serial
+                    rows = np.repeat(x, max(2, _thread_count()), axis=0)
+                    for parallel, a in ((True, x), (True, rows), (False, x)):
                         with forced(parallel):
-                            nf.softmax_fwd(x)
+                            nf.softmax_fwd(a)
                 timings[key] = time.perf_counter() - t0
                 if verbose:
                     print(f"  {key}: {timings[key]:.2f} s")

@@ -745,6 +745,11 @@ def test_softmax_fwd_long_rows(rng, restore_threads, dtype, cols):
     y = results[0]
     for other in results[1:]:
         assert_bits_equal(other, y, "serial vs parallel, threads 1, 2, 3, 5")
+    for rows in (1, 3):                     # by (row, block) pieces: chunks cut rows
+        for t in DRIVER_THREADS + (7,):
+            got = _fwd_by_driver("softmax_fwd", dict(x=x[4:4 + rows]), t,
+                                 {"softmax_fwd": cpu.LONG["blocked"]})[0]
+            assert_bits_equal(got, y[4:4 + rows], f"pieces, {rows} rows, {t} threads")
     x3 = x[None]
     assert cpu._parallel_kernel("softmax_fwd", x3) is cpu.LONG["parallel"]
     assert cpu._serial_kernel("softmax_fwd", x3) is cpu.LONG["serial"]
@@ -1376,11 +1381,11 @@ def test_blocked_kernels_serve_few_long_rows(restore_threads):
                                 (1, cpu.WIDE_COLS - 1), (1, cpu.WIDE_FWD_COLS),
                                 (2, cpu.WIDE_FWD_COLS), (64, 1024))}
     blocked = {k for k, kernel in picks.items() if kernel is cpu.BLOCKED.get(k[0])}
-    long = {k for k, kernel in picks.items() if kernel is cpu.LONG["parallel"]}
-    assert long == {("softmax_fwd", rows, cols) for rows, cols in (
-        (1, cpu.WIDE_FWD_COLS), (2, cpu.WIDE_FWD_COLS))}
+    long = {k: kernel for k, kernel in picks.items() if kernel in cpu.LONG.values()}
+    assert long == {("softmax_fwd", 1, cpu.WIDE_FWD_COLS): cpu.LONG["blocked"],
+                    ("softmax_fwd", 2, cpu.WIDE_FWD_COLS): cpu.LONG["parallel"]}
     assert cpu.PIPELINE_COLS == cpu.WIDE_COLS          # the pairs above straddle both
-    assert all(picks[k] is cpu.PARALLEL[k[0]] for k in set(picks) - blocked - long)
+    assert all(picks[k] is cpu.PARALLEL[k[0]] for k in set(picks) - blocked - set(long))
     assert blocked == {(op, rows, cols) for op in ("rms_norm_bwd", "layer_norm_bwd")
                        for rows, cols in ((1, cpu.WIDE_COLS), (16, cpu.WIDE_COLS),
                                           (1, cpu.WIDE_FWD_COLS), (2, cpu.WIDE_FWD_COLS))} | {
