@@ -351,12 +351,15 @@ def _softmax_long_stage(x, m, scratch, c0, c1, d1):
 
 @_lanes_fn
 def _softmax_long_stage_at(x, m, scratch, c0, c1, d1):
-    """``_softmax_long_stage`` on data pointers (see ``_lanes_fn``)."""
+    """``_softmax_long_stage`` on data pointers (see ``_lanes_fn``). float16/bfloat16
+    rows prefetch the next block's stream (ab.py --evict 512, 2026-12-05: bfloat16
+    16x262144 1.17x, 4x1048576 1.08x, 1x1048576 1.06x)."""
     s = wide_lanes_zeros(x)
     mx = s + acc(x, -np.inf)
     step = lanes_count(s)
     both = (d1 - c1) - (d1 - c1) % step          # columns of whole blocks in both
     for i in range(0, both, step):
+        _prefetch_halves(x, c1 + i + PREFETCH_AHEAD)
         s = _exp_sum_block(x, m, scratch, s, c0 + i, step)
         mx = fmax_skipnan(lanes_load_like(x, c1 + i, step, mx), mx)
     if (d1 - c1) % step:
