@@ -1795,7 +1795,7 @@ def _build_long(loop):
         chunks = _thread_chunks(rows, threads, parallel)   # one scratch row per thread
         for k in loop(chunks):
             _wide_vectors()
-            scratch = _acc_empty(x, cols)
+            scratch = _acc_empty(x, _scratch_elems(y, x, cols))   # none when y takes the exps
             bmax, bsum = _acc_empty(x, blocks), _acc_empty(x, blocks)
             for r in range(k * rows // chunks, (k + 1) * rows // chunks):
                 yr = _row_at(y, r)
