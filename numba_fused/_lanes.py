@@ -147,11 +147,12 @@ def result_lanes(*tys):
     return ls[0]
 
 
-def _elem_pointer(context, builder, aty, arr, c):
-    """&arr[c] for an array or a data pointer."""
+def _elem_pointer(context, builder, aty, arr, c, inbounds=True):
+    """&arr[c] for an array or a data pointer (``inbounds=False`` where c may lie
+    past the end: an inbounds pointer there would be poison)."""
     if not isinstance(aty, types.CPointer):
         arr = context.make_array(aty)(context, builder, arr).data
-    return builder.gep(arr, [c], inbounds=True)
+    return builder.gep(arr, [c], inbounds=inbounds)
 
 
 def _part_pointers(builder, ptr, part_ty):
@@ -362,11 +363,8 @@ def prefetch(typingctx, arr, c):
         return None
 
     def codegen(context, builder, sig, args):
-        aty = sig.args[0]
-        base = args[0]
-        if not isinstance(aty, types.CPointer):
-            base = context.make_array(aty)(context, builder, base).data
-        ptr = builder.bitcast(builder.gep(base, [args[1]]), ir.IntType(8).as_pointer())
+        ptr = builder.bitcast(_elem_pointer(context, builder, sig.args[0], *args, inbounds=False),
+                              ir.IntType(8).as_pointer())
         i32 = ir.IntType(32)
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),

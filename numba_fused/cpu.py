@@ -43,7 +43,7 @@ from numba.extending import intrinsic, overload
 from llvmlite import ir
 
 from . import _cache  # noqa: F401  (cache stamps: before any cached kernel)
-from ._dtypes import acc, narrow, widen
+from ._dtypes import acc, acc_numba_type, narrow, widen
 from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store, prefetch,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
 from ._lanes import data as _data
@@ -1231,7 +1231,7 @@ def _scratch_elems(y, x, n):
 
 @overload(_scratch_elems)
 def _scratch_elems_impl(y, x, n):
-    if y.dtype == (types.float64 if x.dtype == types.float64 else types.float32):
+    if y.dtype == acc_numba_type(x.dtype):
         return lambda y, x, n: 0
     return lambda y, x, n: n
 
@@ -2252,8 +2252,8 @@ def warmup(dtypes=None, verbose=False):
                     _warm_calls(nf, x, dy, np.ones(shape[-1], pdt),
                                 softmax=build != "blocked")
                 if build == "blocked" and pdt == dtype:   # LONG: blocked, parallel, serial
-                    rows = np.repeat(x, max(2, _thread_count()), axis=0)
-                    for parallel, a in ((True, x), (True, rows), (False, x)):
+                    batch = np.repeat(x, max(2, _thread_count()), axis=0)
+                    for parallel, a in ((True, x), (True, batch), (False, x)):
                         with forced(parallel):
                             nf.softmax_fwd(a)
                 timings[key] = time.perf_counter() - t0
