@@ -10,6 +10,8 @@ import pytest
 from numba import njit
 
 from numba_fused import _vecmath as V
+from numba_fused._lanes import (_AVX512, lanes_count, lanes_load, lanes_load_like, lanes_store,
+                                wide_lanes_zeros)
 
 from conftest import ulp
 
@@ -112,3 +114,36 @@ def test_fmax_skipnan_running_max_ignores_nan(rng, dtype):
     assert running(np.full(9, np.nan, dtype)) == -np.inf
     asm = f.inspect_asm(f.signatures[0])
     assert "vmaxs" in asm and "blend" not in asm
+
+
+def _lanes_exp_nonpos(wide):
+    @njit
+    def apply(x, out):
+        z = wide_lanes_zeros(x) if wide else lanes_load(x, 0, 0)
+        n = lanes_count(z)
+        for c in range(0, x.shape[0], n):
+            k = min(n, x.shape[0] - c)
+            lanes_store(out, c, V.fexp_nonpos(lanes_load_like(x, c, k, z)), k)
+    return apply
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["lanes", "wide_lanes"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lanes_exp_nonpos_bits_equal_scalar(dtype, wide):
+    """In lanes (the softmax's exp) the 2**n scaling is one vscalef where the CPU
+    has AVX-512, the shifts and two multiplies elsewhere and for scalars: both
+    round p * 2**n once, so every result has the scalar function's bits,
+    subnormal results, 0 at -inf and NaN included."""
+    x = np.concatenate([_args(dtype, "exp_nonpos"),
+                        np.array([-np.inf, np.nan, 0.0, -0.0, -1e30], dtype)])
+    want = EXP["exp_nonpos"][dtype == np.float64](x)
+    out = np.full_like(x, 7.0)
+    fn = _lanes_exp_nonpos(wide)
+    fn(x, out)
+    bits = np.uint32 if dtype == np.float32 else np.uint64
+    same = (out.view(bits) == want.view(bits)) | (np.isnan(out) & np.isnan(want))
+    assert same.all(), f"{(~same).sum()} differ, first at x={x[~same][0]!r}"
+    assert np.count_nonzero((want > 0) & (want < np.finfo(dtype).tiny)) > 1000
+    if _AVX512:
+        asm = fn.inspect_asm(fn.signatures[0])
+        assert "vscalef" in asm and "vpslld" not in asm and "vpsllq" not in asm
