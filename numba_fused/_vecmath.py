@@ -112,6 +112,19 @@ def _fma(typingctx, a, b, c):
     return (lt or a)(a, b, c), codegen
 
 
+@intrinsic
+def _fms(typingctx, a, b, c):
+    """a * b - c with one rounding (llvm.fma of -c: vfmsub on x86-64); as ``_fma``."""
+    lt = result_lanes(a, b, c)
+    if lt is None and not (a == b == c and isinstance(a, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return apply(context, builder, sig, args, lambda b, x, y, z: b.call(
+            float_intrinsic(b, "llvm.fma", x.type, 3), [x, y, b.fneg(z)]))
+    return (lt or a)(a, b, c), codegen
+
+
 #: AVX-512's vscalefps/pd: p * 2**floor(n) rounded once (gradual underflow
 #: included, NaN propagates), by vector width
 _SCALEF = {(32, 8): ("llvm.x86.avx512.mask.scalef.ps.256", False),
