@@ -208,6 +208,35 @@ def test_block_widen_matches_numpy_bits(half):
     assert np.array_equal(out[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
+@njit(cache=False)
+def _widen_in_own_lanes(src, dst, k):
+    """dst[c:c+k] = src[c:c+k] through src's own lanes (zmm parts for halves)."""
+    n = src.shape[0]
+    step = L.lanes_count(L.lanes_load(src, 0, 0))
+    for c in range(0, n, step):
+        kk = min(step, n - c, k)
+        L.lanes_store(dst, c, L.lanes_load(src, c, kk), kk)
+
+
+@pytest.mark.parametrize("k", [1 << 30, 1, 16, 17, 63])
+@pytest.mark.parametrize("half", [F16, BF16], ids=dtype_id)
+def test_half_lanes_widen_every_value(half, k):
+    """Loads in the halves' own lanes (zmm parts, the kernels' loads) give every
+    value's exact float, in full and partial blocks, and nothing past k."""
+    bits = ALL16.view(D.storage_dtype(half))
+    out = np.full(bits.size, np.float32(7.0))
+    _widen_in_own_lanes(bits, out, k)
+    with np.errstate(invalid="ignore"):
+        want = ALL16.view(half).astype(np.float32)
+    step = _count(half)
+    touched = (np.arange(bits.size) % step) < k
+    assert np.all(out[~touched] == 7.0)
+    got, want = out[touched], want[touched]
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
 @pytest.mark.parametrize("dtype", [F32, F64, F16, BF16], ids=dtype_id)
 @pytest.mark.parametrize("k", [0, 1, 5, 17])
 def test_partial_blocks_touch_only_their_elements(dtype, k):
