@@ -160,6 +160,26 @@ def _no_alias(typingctx):
     return types.void(), codegen
 
 
+@intrinsic
+def _no_alias_args(typingctx, names):
+    """Marks the pointer arguments ``names`` (a space-separated literal) of the
+    function being compiled ``noalias``: for ``_lanes_fn`` functions on data
+    pointers, whose stores LLVM must otherwise assume may change any other
+    argument's memory (it reloaded and re-widened the weight after each dx
+    store). Only for pointers that no other argument writes through: not dy/dx
+    of a backward, which may be one array (in place)."""
+    if not isinstance(names, types.StringLiteral):
+        return None
+    wanted = {"arg." + n for n in names.literal_value.split()}
+
+    def codegen(context, builder, sig, args):
+        for a in builder.function.args:
+            if a.name in wanted and isinstance(a.type, ir.PointerType):
+                a.add_attribute("noalias")
+        return context.get_dummy_value()
+    return types.void(names), codegen
+
+
 # ------------------------------------------- optional parameters (typed helpers)
 def _with_param(combine, doc):
     """A jitted-code helper f(v, param, c) = combine(v, widen(param[c])), or v when
@@ -1068,6 +1088,7 @@ def _layer_norm_bwd_pair_stage_at(n, dy0, x0, dy1, x1, weight, mean0, rstd0, dot
                                   first, dy2, x2, dy3, x3, mean2, rstd2, mean3, rstd3):
     """``_layer_norm_bwd_pair_stage`` on data pointers (see ``_lanes_fn``); the sums
     of long rows by blocks (see WIDE_COLS)."""
+    _no_alias_args("x0 x1 weight dweight dbias dy2 x2 dy3 x3")
     if n < WIDE_COLS:
         return _layer_norm_bwd_pair_span(
             dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1, rstd1, dot1, gmean1,
