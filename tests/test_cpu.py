@@ -1390,3 +1390,35 @@ def test_blocked_kernels_serve_few_long_rows(restore_threads):
                        for rows, cols in ((1, cpu.WIDE_COLS), (16, cpu.WIDE_COLS),
                                           (1, cpu.WIDE_FWD_COLS), (2, cpu.WIDE_FWD_COLS))} | {
         (op, 1, cpu.WIDE_FWD_COLS) for op in ("rms_norm_fwd", "layer_norm_fwd")}
+
+
+def test_pair_stage_noalias_spares_the_in_place_pointers():
+    """The backwards' pipelined pair stage marks the pointers nothing else writes
+    through ``noalias`` (the weight is then widened once per block), and not dy/dx,
+    which are one array in place (``_no_alias_args``): read in the LLVM IR."""
+    import re
+    from numba import njit
+    from numba_fused import cpu
+    from numba_fused._lanes import data
+    fresh = njit(error_model="numpy")(cpu._layer_norm_bwd_pair_stage_at.py_func)
+    f32 = np.float32
+
+    @njit
+    def call(dy, x, w, parts):
+        n = x.shape[1]
+        return fresh(n, data(dy[0]), data(x[0]), data(dy[1]), data(x[1]), data(w),
+                     f32(0), f32(1), f32(0), f32(0), f32(0), f32(1), f32(0), f32(0),
+                     data(dy[0]), data(dy[1]), data(parts[0]), data(parts[1]), True,
+                     data(dy[2]), data(x[2]), data(dy[3]), data(x[3]),
+                     f32(0), f32(1), f32(0), f32(1))
+    dy = np.ones((4, 256), np.uint16)
+    call(dy, dy.copy(), np.ones(256, np.uint16), np.zeros((2, 256), np.float32))
+    ir = fresh.inspect_llvm(fresh.signatures[0])
+    head = re.search(r"define [^\n]*", ir).group(0)
+
+    def attrs(name):
+        return re.search(r"ptr ([^%,]*)%arg\." + name + r"\b", head).group(1)
+    for name in ("x0", "x1", "weight", "dweight", "dbias", "dy2", "x2", "dy3", "x3"):
+        assert "noalias" in attrs(name), name
+    for name in ("dy0", "dy1", "dx0", "dx1"):
+        assert "noalias" not in attrs(name), name
