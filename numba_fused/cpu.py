@@ -266,7 +266,7 @@ def _vadd_into_impl(total, c, v, k, first):
 WIDE_COLS = 1 << 16
 WIDE_BLOCK = 1 << 13
 #: a backward runs column-blocked up to this many rows per thread
-WIDE_ROWS = 8
+WIDE_ROWS = 4
 #: a norm forward runs column-blocked from this many columns (and fewer rows than
 #: threads)
 WIDE_FWD_COLS = 1 << 18
@@ -1406,7 +1406,9 @@ def _wide_bwd(rows, cols, threads):
     """Whether a norm backward runs column-blocked: rows of WIDE_COLS columns and
     more, at most WIDE_ROWS per thread (more rows keep the threads busy row by row,
     and the row path's pipelining won from memory: 64x262144 ran 0.83-0.91x
-    column-blocked, benchmarks/ab.py 2026-12-05)."""
+    column-blocked; with 8 rows per thread the row path ran 1.06-1.22x from memory
+    and 0.97-1.23x in L3 at 16x65536-16x262144, with 4 mixed, 0.92-1.16x;
+    benchmarks/ab.py 2026-12-05)."""
     return cols >= WIDE_COLS and rows <= WIDE_ROWS * threads
 
 

@@ -1288,7 +1288,8 @@ WIDE_BWD_CASES = ([(op, d, p) for d in DTYPES
 
 
 @pytest.mark.parametrize("shape", [(1, cpu.WIDE_COLS + 37), (5, 2 * cpu.WIDE_COLS + 3),
-                                   (13, cpu.WIDE_COLS + 3 * cpu.WIDE_BLOCK + 1)])
+                                   (2 * cpu.WIDE_ROWS - 1,
+                                    cpu.WIDE_COLS + 3 * cpu.WIDE_BLOCK + 1)])
 @pytest.mark.parametrize("op, dtype, params", WIDE_BWD_CASES,
                          ids=[f"{o}-{dtype_id(d)}-{p}" for o, d, p in WIDE_BWD_CASES])
 def test_wide_bwd_bits_equal_row_path(rng, op, dtype, shape, params):
@@ -1374,10 +1375,12 @@ def test_blocked_kernels_serve_few_long_rows(restore_threads):
         pytest.skip("numba has fewer than 2 threads")
     numba.set_num_threads(2)
     x = lambda rows, cols: np.empty((1, rows, cols), np.float32)
+    most = 2 * cpu.WIDE_ROWS
     picks = {(op, rows, cols): cpu._parallel_kernel(op, x(rows, cols))
              for op in ("rms_norm_fwd", "layer_norm_fwd", "rms_norm_bwd", "layer_norm_bwd",
                         "softmax_fwd", "softmax_bwd")
-             for rows, cols in ((1, cpu.WIDE_COLS), (16, cpu.WIDE_COLS), (17, cpu.WIDE_COLS),
+             for rows, cols in ((1, cpu.WIDE_COLS), (most, cpu.WIDE_COLS),
+                                (most + 1, cpu.WIDE_COLS),
                                 (1, cpu.WIDE_COLS - 1), (1, cpu.WIDE_FWD_COLS),
                                 (2, cpu.WIDE_FWD_COLS), (64, 1024))}
     blocked = {k for k, kernel in picks.items() if kernel is cpu.BLOCKED.get(k[0])}
@@ -1387,7 +1390,7 @@ def test_blocked_kernels_serve_few_long_rows(restore_threads):
     assert cpu.PIPELINE_COLS == cpu.WIDE_COLS          # the pairs above straddle both
     assert all(picks[k] is cpu.PARALLEL[k[0]] for k in set(picks) - blocked - set(long))
     assert blocked == {(op, rows, cols) for op in ("rms_norm_bwd", "layer_norm_bwd")
-                       for rows, cols in ((1, cpu.WIDE_COLS), (16, cpu.WIDE_COLS),
+                       for rows, cols in ((1, cpu.WIDE_COLS), (most, cpu.WIDE_COLS),
                                           (1, cpu.WIDE_FWD_COLS), (2, cpu.WIDE_FWD_COLS))} | {
         (op, 1, cpu.WIDE_FWD_COLS) for op in ("rms_norm_fwd", "layer_norm_fwd")}
 
