@@ -487,42 +487,44 @@ def _moments_block(x, center, scale, sm, ss, sd, c, k):
 
 
 @_row
-def _grad_sums(dy, weight, x, center, scale):
-    """With g = dy * weight and xhat = (x - center) * scale: (sum(g * xhat), sum(g))."""
-    return _grad_sums_at(x.shape[0], _data(dy), _data(weight), _data(x), center, scale)
+def _grad_sums(dy, weight, x, center):
+    """With g = dy * weight: (sum(g * (x - center)), sum(g)), each product added by
+    an FMA. Callers scale the first by rstd (sum(g * xhat) = rstd * it): one multiply
+    per row instead of one per element (the half backwards are bound by their
+    arithmetic: with the FMA, 4 operations per element instead of 6, 2026-12-05)."""
+    return _grad_sums_at(x.shape[0], _data(dy), _data(weight), _data(x), center)
 
 
 @_lanes_fn
-def _grad_sums_at(n, dy, weight, x, center, scale):
+def _grad_sums_at(n, dy, weight, x, center):
     """``_grad_sums`` on data pointers (see ``_lanes_fn``); long rows by blocks
     (see WIDE_COLS)."""
     if n < WIDE_COLS:       # one block: spelled out, the loop as it was (a blocks
-        return _grad_sums_span(dy, weight, x, center, scale, 0, n)   # loop: 0.84-0.92x)
-    dot, gsum = _grad_sums_span(dy, weight, x, center, scale, 0, WIDE_BLOCK)
+        return _grad_sums_span(dy, weight, x, center, 0, n)   # loop: 0.84-0.92x)
+    dot, gsum = _grad_sums_span(dy, weight, x, center, 0, WIDE_BLOCK)
     for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
-        d, g = _grad_sums_span(dy, weight, x, center, scale, c0, min(n, c0 + WIDE_BLOCK))
+        d, g = _grad_sums_span(dy, weight, x, center, c0, min(n, c0 + WIDE_BLOCK))
         dot, gsum = dot + d, gsum + g
     return dot, gsum
 
 
 @_row
-def _grad_sums_span(dy, weight, x, center, scale, c0, c1):
+def _grad_sums_span(dy, weight, x, center, c0, c1):
     """``_grad_sums`` of columns c0..c1-1, in lanes."""
     dot = gsum = lanes_zeros(x)
     step = lanes_count(dot)
     for c in range(c0, c1 - step + 1, step):
-        dot, gsum = _grad_sums_block(dy, weight, x, center, scale, dot, gsum, c, step)
+        dot, gsum = _grad_sums_block(dy, weight, x, center, dot, gsum, c, step)
     if (c1 - c0) % step:
-        dot, gsum = _grad_sums_block(dy, weight, x, center, scale, dot, gsum,
+        dot, gsum = _grad_sums_block(dy, weight, x, center, dot, gsum,
                                      c1 - (c1 - c0) % step, (c1 - c0) % step)
     return lanes_sum(dot), lanes_sum(gsum)
 
 
 @_row
-def _grad_sums_block(dy, weight, x, center, scale, dot, gsum, c, k):
-    g = _vtimes(lanes_load(dy, c, k), weight, c, k)
-    xhat = (lanes_load(x, c, k) - center) * scale
-    return dot + lanes_keep(g * xhat, k, acc(x, 0.0)), gsum + g
+def _grad_sums_block(dy, weight, x, center, dot, gsum, c, k):
+    g = _vtimes(lanes_load(dy, c, k), weight, c, k)     # 0 in the padded lanes
+    return _fma(g, lanes_keep(lanes_load(x, c, k) - center, k, acc(x, 0.0)), dot), gsum + g
 
 
 # ------------------------------------------------------------------ softmax
@@ -647,7 +649,7 @@ def _long_factor(x, m, top):
 @_row
 def _softmax_bwd_dot(y, dy):
     """sum(dy * y) of a row."""
-    return _grad_sums(dy, None, y, acc(y, 0.0), acc(y, 1.0))[0]
+    return _grad_sums(dy, None, y, acc(y, 0.0))[0]
 
 
 @_row
@@ -670,34 +672,34 @@ def _softmax_bwd_rows(y, dy, dx, lo, hi):
         dot = _softmax_bwd_stage_at(
             y.shape[2], _data(_row_at(y, r + 1)), _data(_row_at(dy, r + 1)),
             _data(_row_at(y, r)), _data(dyc), dot, _data(_target(_row_at(dx, r), dyc)),
-            acc(y, 0.0), acc(y, 1.0))
+            acc(y, 0.0))
     _softmax_bwd_store(_row_at(y, hi - 1), _row_at(dy, hi - 1), dot, _row_at(dx, hi - 1))
 
 
 @_lanes_fn
-def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero, one):
+def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero):
     """Stores dxc = yc * (dyc - dot) and returns sum(dya * ya) (as ``_grad_sums``;
     long rows by blocks), on data pointers (see ``_lanes_fn``)."""
     if n < WIDE_COLS:
-        return _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, one, 0, n)
-    total = _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, one, 0, WIDE_BLOCK)
+        return _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, 0, n)
+    total = _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, 0, WIDE_BLOCK)
     for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
-        total += _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, one, c0,
+        total += _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0,
                                          min(n, c0 + WIDE_BLOCK))
     return total
 
 
 @_row
-def _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, one, c0, c1):
+def _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0, c1):
     s = g = lanes_zeros(ya)
     step = lanes_count(s)
     for c in range(c0, c1 - step + 1, step):
         _softmax_bwd_block(yc, dyc, dot, dxc, c, step)
-        s, g = _grad_sums_block(dya, None, ya, zero, one, s, g, c, step)
+        s, g = _grad_sums_block(dya, None, ya, zero, s, g, c, step)
     if (c1 - c0) % step:
         c, k = c1 - (c1 - c0) % step, (c1 - c0) % step
         _softmax_bwd_block(yc, dyc, dot, dxc, c, k)
-        s, g = _grad_sums_block(dya, None, ya, zero, one, s, g, c, k)
+        s, g = _grad_sums_block(dya, None, ya, zero, s, g, c, k)
     return lanes_sum(s)
 
 
@@ -810,7 +812,7 @@ def _rms_norm_bwd_dot(dy, x, weight, rstd):
     """mean(g * xhat) of a row, as sum * (1 / cols): the pipelined pairs take it
     from LayerNorm's stage (``_layer_norm_bwd_pair_stage``), which scales so."""
     inv_cols = acc(x, 1.0) / acc(x, x.shape[0])
-    return _grad_sums(dy, weight, x, acc(x, 0.0), rstd)[0] * inv_cols
+    return rstd * _grad_sums(dy, weight, x, acc(x, 0.0))[0] * inv_cols
 
 
 @njit(cache=True, nogil=True, error_model='numpy')
@@ -1012,8 +1014,8 @@ def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, db
 def _layer_norm_bwd_sums(dy, x, weight, mean, rstd):
     """(mean(g * xhat), mean(g)) of a row."""
     inv_cols = acc(x, 1.0) / acc(x, x.shape[0])
-    dot, gsum = _grad_sums(dy, weight, x, mean, rstd)
-    return dot * inv_cols, gsum * inv_cols
+    dot, gsum = _grad_sums(dy, weight, x, mean)
+    return rstd * dot * inv_cols, gsum * inv_cols
 
 
 @njit(cache=True, nogil=True, error_model='numpy')
@@ -1077,31 +1079,31 @@ def _layer_norm_bwd_pair_stage(dy, x, weight, mean, rstd, dx, dweight, dbias, r,
         _data(_target(_row_at(dx, r), dy0)), _data(_target(_row_at(dx, r + 1), dy1)),
         _data(dweight), _data(dbias), first, _data(_row_at(dy, r + 2)),
         _data(_row_at(x, r + 2)), _data(_row_at(dy, r + 3)), _data(_row_at(x, r + 3)),
-        _stat(x, mean, r + 2), acc(x, rstd[r + 2]), _stat(x, mean, r + 3),
-        acc(x, rstd[r + 3]))
-    return s2 * inv_cols, g2 * inv_cols, s3 * inv_cols, g3 * inv_cols
+        _stat(x, mean, r + 2), _stat(x, mean, r + 3))
+    return (acc(x, rstd[r + 2]) * s2 * inv_cols, g2 * inv_cols,
+            acc(x, rstd[r + 3]) * s3 * inv_cols, g3 * inv_cols)
 
 
 @_lanes_fn
 def _layer_norm_bwd_pair_stage_at(n, dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
                                   mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
-                                  first, dy2, x2, dy3, x3, mean2, rstd2, mean3, rstd3):
+                                  first, dy2, x2, dy3, x3, mean2, mean3):
     """``_layer_norm_bwd_pair_stage`` on data pointers (see ``_lanes_fn``); the sums
     of long rows by blocks (see WIDE_COLS)."""
     _no_alias_args("x0 x1 weight dweight dbias dy2 x2 dy3 x3")
     if n < WIDE_COLS:
         return _layer_norm_bwd_pair_span(
             dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1, rstd1, dot1, gmean1,
-            dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, rstd2, mean3, rstd3,
+            dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, mean3,
             0, n)
     s2, g2, s3, g3 = _layer_norm_bwd_pair_span(
         dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1, rstd1, dot1, gmean1,
-        dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, rstd2, mean3, rstd3,
+        dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, mean3,
         0, WIDE_BLOCK)
     for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
         t2, u2, t3, u3 = _layer_norm_bwd_pair_span(
             dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1, rstd1, dot1, gmean1,
-            dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, rstd2, mean3, rstd3,
+            dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, mean3,
             c0, min(n, c0 + WIDE_BLOCK))
         s2, g2, s3, g3 = s2 + t2, g2 + u2, s3 + t3, g3 + u3
     return s2, g2, s3, g3
@@ -1110,19 +1112,19 @@ def _layer_norm_bwd_pair_stage_at(n, dy0, x0, dy1, x1, weight, mean0, rstd0, dot
 @_row
 def _layer_norm_bwd_pair_span(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1,
                               rstd1, dot1, gmean1, dx0, dx1, dweight, dbias, first, dy2, x2,
-                              dy3, x3, mean2, rstd2, mean3, rstd3, c0, c1):
+                              dy3, x3, mean2, mean3, c0, c1):
     s2 = g2 = s3 = g3 = lanes_zeros(x0)
     step = lanes_count(s2)
     for c in range(c0, c1 - step + 1, step):
         _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
                                    mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
                                    first, c, step)
-        s2, g2 = _grad_sums_block(dy2, weight, x2, mean2, rstd2, s2, g2, c, step)
-        s3, g3 = _grad_sums_block(dy3, weight, x3, mean3, rstd3, s3, g3, c, step)
+        s2, g2 = _grad_sums_block(dy2, weight, x2, mean2, s2, g2, c, step)
+        s3, g3 = _grad_sums_block(dy3, weight, x3, mean3, s3, g3, c, step)
     if (c1 - c0) % step:
         c, k = c1 - (c1 - c0) % step, (c1 - c0) % step
-        s2, g2 = _grad_sums_block(dy2, weight, x2, mean2, rstd2, s2, g2, c, k)
-        s3, g3 = _grad_sums_block(dy3, weight, x3, mean3, rstd3, s3, g3, c, k)
+        s2, g2 = _grad_sums_block(dy2, weight, x2, mean2, s2, g2, c, k)
+        s3, g3 = _grad_sums_block(dy3, weight, x3, mean3, s3, g3, c, k)
         _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
                                    mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
                                    first, c, k)
@@ -1568,22 +1570,22 @@ def _norm_store_impl(x, weight, bias, mean, r, rstd, y):
 
 @_row
 def _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b):
-    """sums[r, b] = (sum(g * xhat), sum(g)) over block b, every row."""
+    """sums[r, b] = (sum(g * (x - mean)), sum(g)) over block b, every row."""
     c0, c1 = _wide_cols(b, x.shape[2])
     w = _cols(weight, c0, c1)
     for r in range(x.shape[0] * x.shape[1]):
         sums[r, b, 0], sums[r, b, 1] = _grad_sums(
-            _block_cols(dy, r, c0, c1), w, _block_cols(x, r, c0, c1), _stat(x, mean, r),
-            acc(x, rstd[r]))
+            _block_cols(dy, r, c0, c1), w, _block_cols(x, r, c0, c1), _stat(x, mean, r))
 
 
 @_row
-def _wide_bwd_stats(x, mean, sums):
+def _wide_bwd_stats(x, mean, rstd, sums):
     """Each row's (mean(g * xhat), mean(g)) into sums[r, 0] (mean(g) 0 for RMSNorm)."""
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
     for r in range(sums.shape[0]):
         dot, g = _block_total(sums, r, 0), _block_total(sums, r, 1)
-        sums[r, 0, 0], sums[r, 0, 1] = dot * inv_cols, _gmean_of(x, mean, g * inv_cols)
+        sums[r, 0, 0] = acc(x, rstd[r]) * dot * inv_cols
+        sums[r, 0, 1] = _gmean_of(x, mean, g * inv_cols)
 
 
 @_row
@@ -1798,7 +1800,7 @@ def norm_bwd_blocked(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts, 
     for b in prange(_wide_blocks(cols)):
         _wide_for_halves(x)
         _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b)
-    _wide_bwd_stats(x, mean, sums)
+    _wide_bwd_stats(x, mean, rstd, sums)
     for b in prange(_wide_blocks(cols)):
         _wide_for_halves(x)
         _wide_bwd_store(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts, sums, b,

@@ -1412,8 +1412,7 @@ def test_pair_stage_noalias_spares_the_in_place_pointers():
         return fresh(n, data(dy[0]), data(x[0]), data(dy[1]), data(x[1]), data(w),
                      f32(0), f32(1), f32(0), f32(0), f32(0), f32(1), f32(0), f32(0),
                      data(dy[0]), data(dy[1]), data(parts[0]), data(parts[1]), True,
-                     data(dy[2]), data(x[2]), data(dy[3]), data(x[3]),
-                     f32(0), f32(1), f32(0), f32(1))
+                     data(dy[2]), data(x[2]), data(dy[3]), data(x[3]), f32(0), f32(0))
     dy = np.ones((4, 256), np.uint16)
     call(dy, dy.copy(), np.ones(256, np.uint16), np.zeros((2, 256), np.float32))
     ir = fresh.inspect_llvm(fresh.signatures[0])
