@@ -98,31 +98,26 @@ _clamp_below = _binary(lambda b, x, lo: b.select(b.fcmp_ordered('<', x, lo), lo,
                        """max(x, lo) as one select; NaN passes through. x may be lanes.""")
 
 
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """a * b + c with one rounding (llvm.fma: vfmadd on x86-64). Explicit, so the
-    same bits whether numba JIT-compiles or loads cached code (unlike 'contract')."""
-    lt = result_lanes(a, b, c)   # lanes, scalars splatted
-    if lt is None and not (a == b == c and isinstance(a, types.Float)):
-        return None
+def _fused(subtract, doc):
+    """An intrinsic f(a, b, c) = a * b + c (or - c) with one rounding, llvm.fma
+    (vfmadd/vfmsub on x86-64), on floats of one type or lanes (scalars splatted)."""
+    @intrinsic
+    def op(typingctx, a, b, c):
+        lt = result_lanes(a, b, c)
+        if lt is None and not (a == b == c and isinstance(a, types.Float)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        return apply(context, builder, sig, args, lambda b, x, y, z: b.call(
-            float_intrinsic(b, "llvm.fma", x.type, 3), [x, y, z]))
-    return (lt or a)(a, b, c), codegen
+        def codegen(context, builder, sig, args):
+            return apply(context, builder, sig, args, lambda b, x, y, z: b.call(
+                float_intrinsic(b, "llvm.fma", x.type, 3), [x, y, b.fneg(z) if subtract else z]))
+        return (lt or a)(a, b, c), codegen
+    op.__doc__ = doc
+    return op
 
 
-@intrinsic
-def _fms(typingctx, a, b, c):
-    """a * b - c with one rounding (llvm.fma of -c: vfmsub on x86-64); as ``_fma``."""
-    lt = result_lanes(a, b, c)
-    if lt is None and not (a == b == c and isinstance(a, types.Float)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return apply(context, builder, sig, args, lambda b, x, y, z: b.call(
-            float_intrinsic(b, "llvm.fma", x.type, 3), [x, y, b.fneg(z)]))
-    return (lt or a)(a, b, c), codegen
+_fma = _fused(False, """a * b + c with one rounding. Explicit, so the same bits whether
+numba JIT-compiles or loads cached code (unlike 'contract').""")
+_fms = _fused(True, """a * b - c with one rounding (as ``_fma``).""")
 
 
 #: AVX-512's vscalefps/pd: p * 2**floor(n) rounded once (gradual underflow

@@ -782,12 +782,13 @@ def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi):
 
 
 @_row
-def _norm_dx(g, xhat, rstd, a, b):
+def _norm_dx(g, xhat, rstd, dot, gmean):
     """A norm backward's dx = rstd * (g - xhat * dot - gmean), as
-    rstd * g - (a * xhat + b) with a = rstd * dot, b = rstd * gmean: two FMAs
-    instead of four operations (the half backwards are bound by their arithmetic,
-    2026-12-05). RMSNorm's is LayerNorm's with gmean 0. g, xhat may be lanes."""
-    return _fms(rstd, g, _fma(a, xhat, b))
+    rstd * g - ((rstd * dot) * xhat + rstd * gmean): two FMAs per element instead of
+    four operations (the half backwards are bound by their arithmetic, 2026-12-05;
+    the two row constants are loop-invariant). RMSNorm's is LayerNorm's with gmean 0.
+    g, xhat may be lanes."""
+    return _fms(rstd, g, _fma(rstd * dot, xhat, rstd * gmean))
 
 
 @_row
@@ -798,13 +799,13 @@ def _rms_norm_bwd_row(dy, x, weight, rstd, dx, dweight, first):
     cols = x.shape[0]
     rstd = acc(x, rstd)
     dot = _rms_norm_bwd_dot(dy, x, weight, rstd)
-    a, b = rstd * dot, rstd * acc(x, 0.0)      # LayerNorm's with mean(g) = 0: its bits
+    zero = acc(x, 0.0)          # mean(g): LayerNorm's dx with it 0, its bits
     dx = _target(dx, dy)
     for c in range(cols):
         d = widen(dy[c])
         xhat = widen(x[c]) * rstd
         _add_into(dweight, c, d * xhat, first)
-        dx[c] = narrow(_norm_dx(_times(d, weight, c), xhat, rstd, a, b), dx)
+        dx[c] = narrow(_norm_dx(_times(d, weight, c), xhat, rstd, dot, zero), dx)
 
 
 @_row
@@ -824,16 +825,15 @@ def _rms_norm_bwd_pair_store(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1,
     _wide_for_halves(x0)
     dx0 = _target(dx0, dy0)
     dx1 = _target(dx1, dy1)
-    zero = acc(x0, 0.0)
-    a0, b0, a1, b1 = rstd0 * dot0, rstd0 * zero, rstd1 * dot1, rstd1 * zero
+    zero = acc(x0, 0.0)         # mean(g), as in _rms_norm_bwd_row
     for c in range(x0.shape[0]):
         d0 = widen(dy0[c])
         d1 = widen(dy1[c])
         xhat0 = widen(x0[c]) * rstd0
         xhat1 = widen(x1[c]) * rstd1
         _add_into(dweight, c, d0 * xhat0 + d1 * xhat1, first)
-        dx0[c] = narrow(_norm_dx(_times(d0, weight, c), xhat0, rstd0, a0, b0), dx0)
-        dx1[c] = narrow(_norm_dx(_times(d1, weight, c), xhat1, rstd1, a1, b1), dx1)
+        dx0[c] = narrow(_norm_dx(_times(d0, weight, c), xhat0, rstd0, dot0, zero), dx0)
+        dx1[c] = narrow(_norm_dx(_times(d1, weight, c), xhat1, rstd1, dot1, zero), dx1)
 
 
 @_row
@@ -1002,12 +1002,11 @@ def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, db
     and gmean 0 and dbias None it is RMSNorm's (x - 0 and v - 0 are exact)."""
     _accumulate(dbias, dy, first)     # before dx: in place, dx overwrites dy
     dx = _target(dx, dy)
-    a, b = rstd * dot, rstd * gmean
     for c in range(x.shape[0]):
         d = widen(dy[c])
         xhat = (widen(x[c]) - mean) * rstd
         _add_into(dweight, c, d * xhat, first)
-        dx[c] = narrow(_norm_dx(_times(d, weight, c), xhat, rstd, a, b), dx)
+        dx[c] = narrow(_norm_dx(_times(d, weight, c), xhat, rstd, dot, gmean), dx)
 
 
 @_row
@@ -1027,7 +1026,6 @@ def _layer_norm_bwd_pair_store(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gme
     _wide_for_halves(x0)
     dx0 = _target(dx0, dy0)
     dx1 = _target(dx1, dy1)
-    a0, b0, a1, b1 = rstd0 * dot0, rstd0 * gmean0, rstd1 * dot1, rstd1 * gmean1
     for c in range(x0.shape[0]):
         d0 = widen(dy0[c])
         d1 = widen(dy1[c])
@@ -1035,8 +1033,8 @@ def _layer_norm_bwd_pair_store(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gme
         xhat1 = (widen(x1[c]) - mean1) * rstd1
         _add_into(dweight, c, d0 * xhat0 + d1 * xhat1, first)
         _add_into(dbias, c, d0 + d1, first)
-        dx0[c] = narrow(_norm_dx(_times(d0, weight, c), xhat0, rstd0, a0, b0), dx0)
-        dx1[c] = narrow(_norm_dx(_times(d1, weight, c), xhat1, rstd1, a1, b1), dx1)
+        dx0[c] = narrow(_norm_dx(_times(d0, weight, c), xhat0, rstd0, dot0, gmean0), dx0)
+        dx1[c] = narrow(_norm_dx(_times(d1, weight, c), xhat1, rstd1, dot1, gmean1), dx1)
 
 
 @_row
@@ -1141,10 +1139,8 @@ def _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gme
     xhat1 = (lanes_load(x1, c, k) - mean1) * rstd1
     _vadd_into(dweight, c, d0 * xhat0 + d1 * xhat1, k, first)
     _vadd_into(dbias, c, d0 + d1, k, first)
-    lanes_store(dx0, c, _norm_dx(_vtimes(d0, weight, c, k), xhat0, rstd0, rstd0 * dot0,
-                                 rstd0 * gmean0), k)
-    lanes_store(dx1, c, _norm_dx(_vtimes(d1, weight, c, k), xhat1, rstd1, rstd1 * dot1,
-                                 rstd1 * gmean1), k)
+    lanes_store(dx0, c, _norm_dx(_vtimes(d0, weight, c, k), xhat0, rstd0, dot0, gmean0), k)
+    lanes_store(dx1, c, _norm_dx(_vtimes(d1, weight, c, k), xhat1, rstd1, dot1, gmean1), k)
 
 
 def _stat(x, stats, r):
