@@ -1395,6 +1395,44 @@ def test_blocked_kernels_serve_few_long_rows(restore_threads):
         (op, 1, cpu.WIDE_FWD_COLS) for op in ("rms_norm_fwd", "layer_norm_fwd")}
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_norm_forwards_run_row_by_row_where_y_aliases_the_next_row(dtype, restore_threads):
+    """Where y's row r lies a multiple of cpu.ALIAS_SPAN bytes from x's row r + 1
+    (NumPy's y allocated right after a 256 MiB x), the norm forwards run one chunk
+    per row instead of pipelined (cpu._norm_fwd_threads), with the same bits as
+    into a separate buffer. The arrays are carved from one buffer whose untouched
+    pages cost nothing."""
+    if restore_threads < 2:
+        pytest.skip("numba has fewer than 2 threads")
+    numba.set_num_threads(2)
+    rng = np.random.default_rng(11)
+    rows, cols = 64, 1024
+    item = np.dtype(dtype).itemsize
+    n = rows * cols
+    span = cpu.ALIAS_SPAN // item
+    base = np.empty(span + 2 * n, dtype)
+    x = base[:n].reshape(rows, cols)
+    x[...] = (1 + 2 * rng.standard_normal((rows, cols))).astype(dtype)
+    w = (1 + 0.1 * rng.standard_normal(cols)).astype(dtype)
+    row = cols                                           # elements of one row
+    aliased = base[span + row:span + row + n].reshape(rows, cols)
+    near = base[span + row + cpu.ALIAS_NEAR // item:
+                span + row + cpu.ALIAS_NEAR // item + n].reshape(rows, cols)
+    threads = lambda y: cpu._norm_fwd_threads(x[None], y[None], 2)   # noqa: E731
+    assert threads(aliased) == rows and threads(near) == 2
+    assert threads(base[span + row - 8:span + row - 8 + n].reshape(rows, cols)) == rows
+    with cpu.forced(parallel=True):
+        for y in (aliased, near):
+            y[...] = np.nan                               # poisoned
+            got = nf.rms_norm_fwd(x, w, out=y)
+            assert_bits_equal(got[0], nf.rms_norm_fwd(x, w)[0], "rms_norm y")
+            y[...] = np.nan
+            got = nf.layer_norm_fwd(x, w, w, out=y)
+            want = nf.layer_norm_fwd(x, w, w)
+            for g, e, name in zip(got, want, ("y", "mean", "rstd")):
+                assert_bits_equal(g, e, f"layer_norm {name}")
+
+
 def test_pair_stage_noalias_spares_the_in_place_pointers():
     """The backwards' pipelined pair stage marks the pointers nothing else writes
     through ``noalias`` (the weight is then widened once per block), and not dy/dx,
