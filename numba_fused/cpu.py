@@ -2203,16 +2203,6 @@ def _bind_thread_count():
     _thread_count = getattr(parallel, "_get_num_threads", numba.get_num_threads)
 
 
-def _run_threaded(name, x, *args):
-    """``_run`` for the pipelined drivers (the forwards and softmax_bwd), which take
-    the thread count last: one chunk per thread (the bits do not depend on it)."""
-    if x.size < _serial_below[name]:
-        return (SERIAL[name] if x.shape[2] < WIDE_COLS else _serial_kernel(name, x))(*args, 1)
-    if not _needs_lock and x.shape[2] < WIDE_COLS:   # _run's common case, one call less
-        return PARALLEL[name](*args, _thread_count())
-    return _run(name, name, x, *args, _thread_count())
-
-
 #: linear-address distance and window of the store/load aliasing below
 ALIAS_SPAN = 1 << 28
 ALIAS_NEAR = 4096
@@ -2236,12 +2226,15 @@ def _norm_fwd_threads(x, y, threads):
     return threads
 
 
-def _run_norm_fwd(name, x, y, *args):
-    """``_run_threaded`` for the norm forwards, with ``_norm_fwd_threads``."""
+def _run_threaded(name, x, *args, y=None):
+    """``_run`` for the pipelined drivers (the forwards and softmax_bwd), which take
+    the thread count last: one chunk per thread (the bits do not depend on it), or
+    for a norm forward given its output ``y``, one per row where ``_norm_fwd_threads``
+    finds y's address aliasing x's."""
     if x.size < _serial_below[name]:
         return (SERIAL[name] if x.shape[2] < WIDE_COLS else _serial_kernel(name, x))(*args, 1)
-    threads = _norm_fwd_threads(x, y, _thread_count())
-    if not _needs_lock and x.shape[2] < WIDE_COLS:
+    threads = _thread_count() if y is None else _norm_fwd_threads(x, y, _thread_count())
+    if not _needs_lock and x.shape[2] < WIDE_COLS:   # _run's common case, one call less
         return PARALLEL[name](*args, threads)
     return _run(name, name, x, *args, threads)
 
@@ -2255,11 +2248,11 @@ def softmax_bwd(y, dy, dx):
 
 
 def rms_norm_fwd(x, weight, eps, y, rstd):
-    _run_norm_fwd("rms_norm_fwd", x, y, x, weight, eps, y, rstd)
+    _run_threaded("rms_norm_fwd", x, x, weight, eps, y, rstd, y=y)
 
 
 def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
-    _run_norm_fwd("layer_norm_fwd", x, y, x, weight, bias, eps, y, mean, rstd)
+    _run_threaded("layer_norm_fwd", x, x, weight, bias, eps, y, mean, rstd, y=y)
 
 
 # The backwards below run ~10 Python statements per call: at ~50 ns each on the
