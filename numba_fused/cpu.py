@@ -20,7 +20,7 @@ C-contiguous 1-D arrays (``_row_at``), whatever the layout of the 3-D views,
 so every layout runs the same vectorized code. Row drivers exist in a parallel
 build (prange over rows) and a serial one for small calls, where a parallel
 launch costs more than the work. Rows run software-pipelined (``_softmax_fwd_rows``,
-``_softmax_bwd_rows``, the norms' ``*_fwd_rows`` and ``*_bwd_pairs``), one chunk of
+``_softmax_bwd_rows``, the norms' ``*_fwd_rows`` and ``_norm_bwd_rows``), one chunk of
 rows per thread: one pass over the columns takes the next row's sums while it
 stores the current row, so memory and compute overlap.
 
@@ -141,26 +141,6 @@ _PARTIAL_ELEMS = 1 << 20
 
 
 @intrinsic
-def _no_alias(typingctx):
-    """Marks the data pointer of every array argument of the function being
-    compiled ``noalias``: LLVM then vectorizes its loops without run-time overlap
-    checks (the row-pair store loops below measured 0.21-0.82x of the row-by-row
-    code as plain inlined code, 0.96-1.60x as functions with this). Valid because
-    of how the kernels are called: an output never shares memory with another
-    argument (the dispatcher rejects overlapping ``out=``, and
-    an in-place backward passes dx as None and writes through dy), and arguments
-    that do share memory are only read, which ``noalias`` allows."""
-    def codegen(context, builder, sig, args):
-        for a in builder.function.args:
-            # numba passes an array as its fields; field 4 is the data pointer
-            if a.name.startswith("arg.") and a.name.endswith(".4") \
-                    and isinstance(a.type, ir.PointerType):
-                a.add_attribute("noalias")
-        return context.get_dummy_value()
-    return types.void(), codegen
-
-
-@intrinsic
 def _no_alias_args(typingctx, names):
     """Marks the pointer arguments ``names`` (a space-separated literal) of the
     function being compiled ``noalias``: for ``_lanes_fn`` functions on data
@@ -217,6 +197,19 @@ def _with_lanes_param(combine, doc):
 
 _vtimes = _with_lanes_param(operator.mul, "v * weight[c:c+k], or v when weight is None.")
 _vplus = _with_lanes_param(operator.add, "v + bias[c:c+k], or v when bias is None.")
+
+
+def _centered(v, mean):
+    """v - mean, or v when mean is None (RMSNorm, softmax): no subtraction at all,
+    where a runtime 0 would cost one per element."""
+    raise NotImplementedError
+
+
+@overload(_centered)
+def _centered_impl(v, mean):
+    if isinstance(mean, types.NoneType):
+        return lambda v, mean: v
+    return lambda v, mean: v - mean
 
 
 def _add_into(total, c, v, first):
@@ -524,7 +517,7 @@ def _grad_sums_span(dy, weight, x, center, c0, c1):
 @_row
 def _grad_sums_block(dy, weight, x, center, dot, gsum, c, k):
     g = _vtimes(lanes_load(dy, c, k), weight, c, k)     # 0 in the padded lanes
-    return _fma(g, lanes_keep(lanes_load(x, c, k) - center, k, acc(x, 0.0)), dot), gsum + g
+    return _fma(g, lanes_keep(_centered(lanes_load(x, c, k), center), k, acc(x, 0.0)), dot), gsum + g
 
 
 # ------------------------------------------------------------------ softmax
@@ -810,59 +803,10 @@ def _rms_norm_bwd_row(dy, x, weight, rstd, dx, dweight, first):
 
 @_row
 def _rms_norm_bwd_dot(dy, x, weight, rstd):
-    """mean(g * xhat) of a row, as sum * (1 / cols): the pipelined pairs take it
-    from LayerNorm's stage (``_layer_norm_bwd_pair_stage``), which scales so."""
+    """mean(g * xhat) of a row, as sum * (1 / cols): the pipelined rows take it
+    from the norms' stage (``_norm_bwd_rows``), which scales so."""
     inv_cols = acc(x, 1.0) / acc(x, x.shape[0])
     return rstd * _grad_sums(dy, weight, x, acc(x, 0.0))[0] * inv_cols
-
-
-@njit(cache=True, nogil=True, error_model='numpy')
-def _rms_norm_bwd_pair_store(dy0, x0, dy1, x1, weight, rstd0, dot0, rstd1, dot1, dx0, dx1,
-                             dweight, first):
-    """The store pass of two consecutive rows with a dweight partial (see
-    ``_layer_norm_bwd_pair_store``)."""
-    _no_alias()
-    _wide_for_halves(x0)
-    dx0 = _target(dx0, dy0)
-    dx1 = _target(dx1, dy1)
-    zero = acc(x0, 0.0)         # mean(g), as in _rms_norm_bwd_row
-    for c in range(x0.shape[0]):
-        d0 = widen(dy0[c])
-        d1 = widen(dy1[c])
-        xhat0 = widen(x0[c]) * rstd0
-        xhat1 = widen(x1[c]) * rstd1
-        _add_into(dweight, c, d0 * xhat0 + d1 * xhat1, first)
-        dx0[c] = narrow(_norm_dx(_times(d0, weight, c), xhat0, rstd0, dot0, zero), dx0)
-        dx1[c] = narrow(_norm_dx(_times(d1, weight, c), xhat1, rstd1, dot1, zero), dx1)
-
-
-@_row
-def _rms_norm_bwd_pairs(dy, x, weight, rstd, dx, dweight, lo, hi):
-    """Rows lo..hi-1 of a backward with a dweight partial, in pairs (the store
-    pass of two rows at once: each partial element read and written once per two
-    rows), software-pipelined: one pass over the columns
-    stores pair p (in cache) while it takes the sums of pair p + 1 (from memory).
-    The first pair's sums and the last pair's store are passes of their own; an
-    odd last row goes alone. dx has the bits of the row-by-row backward (the same
-    lanes, the same operations); dweight adds each pair's terms, in row order."""
-    pairs_end = lo + (hi - lo) // 2 * 2
-    if pairs_end > lo:
-        dot0 = _rms_norm_bwd_dot(_row_at(dy, lo), _row_at(x, lo), weight, acc(x, rstd[lo]))
-        dot1 = _rms_norm_bwd_dot(_row_at(dy, lo + 1), _row_at(x, lo + 1), weight,
-                                 acc(x, rstd[lo + 1]))
-        zero = acc(x, 0.0)      # RMSNorm is LayerNorm's stage with mean = mean(g) = 0
-        for r in range(lo, pairs_end - 2, 2):
-            dot0, _, dot1, _ = _layer_norm_bwd_pair_stage(
-                dy, x, weight, None, rstd, dx, dweight, None, r, dot0, zero, dot1, zero,
-                r == lo)
-        r = pairs_end - 2
-        _rms_norm_bwd_pair_store(_row_at(dy, r), _row_at(x, r), _row_at(dy, r + 1),
-                                 _row_at(x, r + 1), weight, acc(x, rstd[r]), dot0,
-                                 acc(x, rstd[r + 1]), dot1, _row_at(dx, r),
-                                 _row_at(dx, r + 1), dweight, r == lo)
-    if pairs_end < hi:
-        _rms_norm_bwd_row(_row_at(dy, hi - 1), _row_at(x, hi - 1), weight, rstd[hi - 1],
-                          _row_at(dx, hi - 1), dweight, hi - 1 == lo)
 
 
 # ---------------------------------------------------------------- LayerNorm
@@ -1017,134 +961,122 @@ def _layer_norm_bwd_sums(dy, x, weight, mean, rstd):
     return rstd * dot * inv_cols, gsum * inv_cols
 
 
-@njit(cache=True, nogil=True, error_model='numpy')
-def _layer_norm_bwd_pair_store(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
-                               mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias, first):
-    """The store pass of two consecutive rows with dweight/dbias partials: each
-    partial element is read and written once per two rows."""
-    _no_alias()
-    _wide_for_halves(x0)
-    dx0 = _target(dx0, dy0)
-    dx1 = _target(dx1, dy1)
-    for c in range(x0.shape[0]):
-        d0 = widen(dy0[c])
-        d1 = widen(dy1[c])
-        xhat0 = (widen(x0[c]) - mean0) * rstd0
-        xhat1 = (widen(x1[c]) - mean1) * rstd1
-        _add_into(dweight, c, d0 * xhat0 + d1 * xhat1, first)
-        _add_into(dbias, c, d0 + d1, first)
-        dx0[c] = narrow(_norm_dx(_times(d0, weight, c), xhat0, rstd0, dot0, gmean0), dx0)
-        dx1[c] = narrow(_norm_dx(_times(d1, weight, c), xhat1, rstd1, dot1, gmean1), dx1)
-
-
 @_row
-def _layer_norm_bwd_pairs(dy, x, weight, mean, rstd, dx, dweight, dbias, lo, hi):
-    """Rows lo..hi-1 of a backward with dweight/dbias partials, in pairs,
-    software-pipelined as ``_rms_norm_bwd_pairs``."""
-    pairs_end = lo + (hi - lo) // 2 * 2
-    if pairs_end > lo:
-        dot0, gmean0 = _layer_norm_bwd_sums(_row_at(dy, lo), _row_at(x, lo), weight,
-                                            acc(x, mean[lo]), acc(x, rstd[lo]))
-        dot1, gmean1 = _layer_norm_bwd_sums(_row_at(dy, lo + 1), _row_at(x, lo + 1), weight,
-                                            acc(x, mean[lo + 1]), acc(x, rstd[lo + 1]))
-        for r in range(lo, pairs_end - 2, 2):
-            dot0, gmean0, dot1, gmean1 = _layer_norm_bwd_pair_stage(
-                dy, x, weight, mean, rstd, dx, dweight, dbias, r, dot0, gmean0, dot1, gmean1,
-                r == lo)
-        r = pairs_end - 2
-        _layer_norm_bwd_pair_store(_row_at(dy, r), _row_at(x, r), _row_at(dy, r + 1),
-                                   _row_at(x, r + 1), weight, acc(x, mean[r]),
-                                   acc(x, rstd[r]), dot0, gmean0, acc(x, mean[r + 1]),
-                                   acc(x, rstd[r + 1]), dot1, gmean1, _row_at(dx, r),
-                                   _row_at(dx, r + 1), dweight, dbias, r == lo)
-    if pairs_end < hi:
-        _layer_norm_bwd_row(_row_at(dy, hi - 1), _row_at(x, hi - 1), weight, mean[hi - 1],
-                            rstd[hi - 1], _row_at(dx, hi - 1), dweight, dbias, hi - 1 == lo)
+def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, dweight, dbias, lo, hi):
+    """Rows lo..hi-1 of a norm backward (LayerNorm; RMSNorm with mean None),
+    software-pipelined as ``_softmax_bwd_rows``: one pass over the columns stores
+    row r (dx and the dweight/dbias partials, in cache) while it takes the sums of
+    row r + 1 (from memory). Row lo's sums and row hi-1's store are passes of
+    their own, with the stage's lanes and operations: dx has the row-by-row bits,
+    and the partials add the rows' terms one row at a time, in row order, as the
+    row path does.
 
-
-@_row
-def _layer_norm_bwd_pair_stage(dy, x, weight, mean, rstd, dx, dweight, dbias, r, dot0,
-                               gmean0, dot1, gmean1, first):
-    """Stores rows r, r + 1 and returns (mean(g * xhat), mean(g)) of rows r + 2, r + 3.
-    With mean None (and gmean 0, dbias None) it is RMSNorm's: x - 0 and v - 0 are
-    exact, so the dx bits are ``_rms_norm_bwd_pair_store``'s."""
+    Replaced row pairs (one store pass for two rows, each partial element read and
+    written once per two rows; float32/float64 from 1024 columns, halves from 4096),
+    whose stage kept twice the live lanes and spilled, for one dweight/dbias order
+    on every path. AMD EPYC, 2026-12-05, against the pipelined pairs (ab.py and
+    five buffer placements, 2 threads, from memory): float32 65536x1024 rms_norm
+    bwd 1.01-1.42x, layer_norm bwd 0.87-1.12x (even within the noise); one thread
+    in cache 0.93-1.05x in L2, 1.19-1.40x from L3; float64 0.95-1.07x; bfloat16
+    65536x1024 rms_norm 1.09-1.26x, layer_norm 1.20-1.35x; against the row path
+    (below the old pair floors) bfloat16 1.24-1.44x at 64-2048 columns.
+    """
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
-    dy0, dy1 = _row_at(dy, r), _row_at(dy, r + 1)
-    s2, g2, s3, g3 = _layer_norm_bwd_pair_stage_at(
-        x.shape[2], _data(dy0), _data(_row_at(x, r)), _data(dy1), _data(_row_at(x, r + 1)),
-        _data(weight), _stat(x, mean, r), acc(x, rstd[r]), dot0, gmean0,
-        _stat(x, mean, r + 1), acc(x, rstd[r + 1]), dot1, gmean1,
-        _data(_target(_row_at(dx, r), dy0)), _data(_target(_row_at(dx, r + 1), dy1)),
-        _data(dweight), _data(dbias), first, _data(_row_at(dy, r + 2)),
-        _data(_row_at(x, r + 2)), _data(_row_at(dy, r + 3)), _data(_row_at(x, r + 3)),
-        _stat(x, mean, r + 2), _stat(x, mean, r + 3))
-    return (acc(x, rstd[r + 2]) * s2 * inv_cols, g2 * inv_cols,
-            acc(x, rstd[r + 3]) * s3 * inv_cols, g3 * inv_cols)
+    dot, gmean = _layer_norm_bwd_sums(_row_at(dy, lo), _row_at(x, lo), weight,
+                                      _stat(x, mean, lo), acc(x, rstd[lo]))
+    for r in range(lo, hi - 1):
+        dyc = _row_at(dy, r)
+        s, g = _norm_bwd_stage_at(
+            x.shape[2], _data(dyc), _data(_row_at(x, r)), _data(weight),
+            _stat_or_none(x, mean, r), acc(x, rstd[r]), dot, _gmean_of(x, mean, gmean),
+            _data(_target(_row_at(dx, r), dyc)), _data(dweight), _data(dbias), r == lo,
+            _data(_row_at(dy, r + 1)), _data(_row_at(x, r + 1)),
+            _stat_or_none(x, mean, r + 1))
+        dot, gmean = acc(x, rstd[r + 1]) * s * inv_cols, g * inv_cols
+    _layer_norm_bwd_store(_row_at(dy, hi - 1), _row_at(x, hi - 1), weight,
+                          _stat(x, mean, hi - 1), acc(x, rstd[hi - 1]), dot,
+                          _gmean_of(x, mean, gmean), _row_at(dx, hi - 1), dweight, dbias,
+                          hi - 1 == lo)
 
 
 @_lanes_fn
-def _layer_norm_bwd_pair_stage_at(n, dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
-                                  mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
-                                  first, dy2, x2, dy3, x3, mean2, mean3):
-    """``_layer_norm_bwd_pair_stage`` on data pointers (see ``_lanes_fn``); the sums
-    of long rows by blocks (see WIDE_COLS)."""
-    _no_alias_args("x0 x1 weight dweight dbias dy2 x2 dy3 x3")
+def _norm_bwd_stage_at(n, dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight, dbias,
+                       first, dya, xa, meana):
+    """The stage of ``_norm_bwd_rows`` on data pointers (see ``_lanes_fn``): stores
+    row c (dx, the partials) and returns (sum(g * (xa - meana)), sum(g)) of row a,
+    long rows by blocks (see WIDE_COLS). meanc/meana None: RMSNorm's (no
+    subtraction; its x - 0 would be exact, so the same bits). dyc and dxc may be
+    one row (in place), so only the others are noalias."""
+    _no_alias_args("xc weight dweight dbias dya xa")
     if n < WIDE_COLS:
-        return _layer_norm_bwd_pair_span(
-            dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1, rstd1, dot1, gmean1,
-            dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, mean3,
-            0, n)
-    s2, g2, s3, g3 = _layer_norm_bwd_pair_span(
-        dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1, rstd1, dot1, gmean1,
-        dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, mean3,
-        0, WIDE_BLOCK)
+        return _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight,
+                                    dbias, first, dya, xa, meana, 0, n)
+    s, g = _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight,
+                                dbias, first, dya, xa, meana, 0, WIDE_BLOCK)
     for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
-        t2, u2, t3, u3 = _layer_norm_bwd_pair_span(
-            dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1, rstd1, dot1, gmean1,
-            dx0, dx1, dweight, dbias, first, dy2, x2, dy3, x3, mean2, mean3,
-            c0, min(n, c0 + WIDE_BLOCK))
-        s2, g2, s3, g3 = s2 + t2, g2 + u2, s3 + t3, g3 + u3
-    return s2, g2, s3, g3
+        t, u = _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight,
+                                    dbias, first, dya, xa, meana, c0, min(n, c0 + WIDE_BLOCK))
+        s, g = s + t, g + u
+    return s, g
 
 
 @_row
-def _layer_norm_bwd_pair_span(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1,
-                              rstd1, dot1, gmean1, dx0, dx1, dweight, dbias, first, dy2, x2,
-                              dy3, x3, mean2, mean3, c0, c1):
-    s2 = g2 = s3 = g3 = lanes_zeros(x0)
-    step = lanes_count(s2)
+def _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight, dbias,
+                         first, dya, xa, meana, c0, c1):
+    s = g = lanes_zeros(xc)
+    step = lanes_count(s)
     for c in range(c0, c1 - step + 1, step):
-        _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
-                                   mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
-                                   first, c, step)
-        s2, g2 = _grad_sums_block(dy2, weight, x2, mean2, s2, g2, c, step)
-        s3, g3 = _grad_sums_block(dy3, weight, x3, mean3, s3, g3, c, step)
+        _norm_bwd_block(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight, dbias,
+                        first, c, step)
+        s, g = _grad_sums_block(dya, weight, xa, meana, s, g, c, step)
     if (c1 - c0) % step:
         c, k = c1 - (c1 - c0) % step, (c1 - c0) % step
-        s2, g2 = _grad_sums_block(dy2, weight, x2, mean2, s2, g2, c, k)
-        s3, g3 = _grad_sums_block(dy3, weight, x3, mean3, s3, g3, c, k)
-        _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0,
-                                   mean1, rstd1, dot1, gmean1, dx0, dx1, dweight, dbias,
-                                   first, c, k)
-    return lanes_sum(s2), lanes_sum(g2), lanes_sum(s3), lanes_sum(g3)
+        s, g = _grad_sums_block(dya, weight, xa, meana, s, g, c, k)
+        _norm_bwd_block(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight, dbias,
+                        first, c, k)
+    return lanes_sum(s), lanes_sum(g)
+
+
+@_lanes_fn
+def _norm_bwd_store_at(c0, c1, dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias,
+                       first):
+    """The stage's store alone, columns c0..c1-1 (the column-blocked backward's),
+    on data pointers (see ``_lanes_fn``)."""
+    _no_alias_args("x weight dweight dbias")
+    step = lanes_count(lanes_zeros(x))
+    for c in range(c0, c1 - step + 1, step):
+        _norm_bwd_block(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first, c,
+                        step)
+    if (c1 - c0) % step:
+        _norm_bwd_block(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first,
+                        c1 - (c1 - c0) % step, (c1 - c0) % step)
 
 
 @_row
-def _layer_norm_bwd_pair_block(dy0, x0, dy1, x1, weight, mean0, rstd0, dot0, gmean0, mean1,
-                               rstd1, dot1, gmean1, dx0, dx1, dweight, dbias, first, c, k):
-    """``_layer_norm_bwd_pair_store``'s operations on columns c..c+k-1."""
-    d0 = lanes_load(dy0, c, k)
-    d1 = lanes_load(dy1, c, k)
-    xhat0 = (lanes_load(x0, c, k) - mean0) * rstd0
-    xhat1 = (lanes_load(x1, c, k) - mean1) * rstd1
-    _vadd_into(dweight, c, d0 * xhat0 + d1 * xhat1, k, first)
-    _vadd_into(dbias, c, d0 + d1, k, first)
-    lanes_store(dx0, c, _norm_dx(_vtimes(d0, weight, c, k), xhat0, rstd0, dot0, gmean0), k)
-    lanes_store(dx1, c, _norm_dx(_vtimes(d1, weight, c, k), xhat1, rstd1, dot1, gmean1), k)
+def _norm_bwd_block(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first, c, k):
+    """``_layer_norm_bwd_store``'s operations on columns c..c+k-1 (dy loaded before
+    dx is stored: in place they are one row)."""
+    d = lanes_load(dy, c, k)
+    xhat = _centered(lanes_load(x, c, k), mean) * rstd
+    _vadd_into(dweight, c, d * xhat, k, first)
+    _vadd_into(dbias, c, d, k, first)
+    lanes_store(dx, c, _norm_dx(_vtimes(d, weight, c, k), xhat, rstd, dot, gmean), k)
 
 
 def _stat(x, stats, r):
     raise NotImplementedError
+
+
+def _stat_or_none(x, stats, r):
+    raise NotImplementedError
+
+
+@overload(_stat_or_none)
+def _stat_or_none_impl(x, stats, r):
+    """stats[r] in x's accumulator type; None for None (see ``_centered``)."""
+    if isinstance(stats, types.NoneType):
+        return lambda x, stats, r: None
+    return lambda x, stats, r: acc(x, stats[r])
 
 
 @overload(_stat)
@@ -1370,34 +1302,30 @@ def _pipeline_chunks(rows, threads):
     return _thread_chunks(rows // 32, threads, True)
 
 
-#: norm backwards with params pair rows from this many columns on (see _row_pairs;
-#: at 256 columns pairs measured 0.89-0.96x), float16/bfloat16 from HALF_PAIR_COLS
-PAIR_COLS = 1024
-HALF_PAIR_COLS = 1 << 12
+#: norm backwards run pipelined (``_norm_bwd_rows``) from this many columns on in
+#: float32/float64, from HALF_BWD_PIPELINE_COLS in float16/bfloat16 (see
+#: _rows_pipelined)
+BWD_PIPELINE_COLS = 1024
+HALF_BWD_PIPELINE_COLS = 64
 
 
-def _row_pairs(x, wparts, bparts):
+def _rows_pipelined(x):
     raise NotImplementedError
 
 
-@overload(_row_pairs)
-def _row_pairs_impl(x, wparts, bparts):
-    """Whether a norm backward runs its store passes on pairs of rows: with
-    dweight/dbias partials, from PAIR_COLS columns in float32/float64 and from
-    HALF_PAIR_COLS in float16/bfloat16 (a function of the signature and the shape).
-    Measured 2026-12-04 (benchmarks/ab.py, 1024-262144 columns): layer_norm bwd
-    float32 1.02-1.60x, float64 0.99-1.34x; rms_norm bwd float32 0.96-1.20x,
-    float64 1.02-1.18x. bfloat16 layer_norm bwd gained 1.11-1.25x in cache but
-    lost 0.80-0.90x at 32768-65536 rows of 1024 columns, and was even at 2048
-    columns (0.98-1.05x); from 4096 columns the halves gained (float16/bfloat16,
-    4096x4096 and 16x262144: rms_norm bwd 1.06-1.10x, layer_norm bwd 1.13-1.17x;
-    bfloat16 1024x8192 1.09/1.15x, 256x16384 1.20/1.26x).
-    The pair stores depend on ``_no_alias``: without it the fused loop measured
-    0.21-0.82x (not investigated; likely too many run-time overlap checks for LLVM
-    to vectorize it)."""
-    pairs = not (isinstance(wparts, types.NoneType) and isinstance(bparts, types.NoneType))
-    floor = PAIR_COLS if x.dtype in (types.float32, types.float64) else HALF_PAIR_COLS
-    return lambda x, wparts, bparts: pairs and x.shape[2] >= floor
+@overload(_rows_pipelined)
+def _rows_pipelined_impl(x):
+    """Whether a norm backward runs its rows pipelined (``_norm_bwd_rows``) rather
+    than one row's two passes after the other (``*_bwd_row``): from
+    BWD_PIPELINE_COLS columns in float32/float64 and HALF_BWD_PIPELINE_COLS in
+    float16/bfloat16 (a function of the signature and the shape; the bits are the
+    same either way). Measured on the AMD EPYC, 2026-12-05 (benchmarks/ab.py,
+    pipelined against the row path): bfloat16 1.24-1.44x at 64-2048 columns but
+    0.71-0.79x at 16-32 (a masked block per row); float32 0.99-1.08x at 64-256
+    columns, 0.87-0.95x at 512; float64 0.98-1.06x at 16-128 columns."""
+    floor = (BWD_PIPELINE_COLS if x.dtype in (types.float32, types.float64)
+             else HALF_BWD_PIPELINE_COLS)
+    return lambda x: x.shape[2] >= floor
 
 
 def _wide_bwd(rows, cols, threads):
@@ -1588,31 +1516,20 @@ def _wide_bwd_stats(x, mean, rstd, sums):
 def _wide_bwd_store(dy, x, weight, mean, rstd, dx, wparts, bparts, sums, b, chunks,
                     dweight, dbias):
     """The store pass of block b: each chunk's rows (``param_chunks``) into its
-    partial, in row pairs as the row path (``_layer_norm_bwd_pairs``: a pair adds
-    its two terms, then the partial; an odd last row alone), then the block's
-    partials summed in chunk order (``_sum_partials``): dweight/dbias get the row
-    path's bits, and the partials never leave the cache. RMSNorm runs it with mean
-    0 (``_stat``), mean(g) 0 and no dbias."""
+    partial, row by row as the row path, then the block's partials summed in chunk
+    order (``_sum_partials``): dweight/dbias get the row path's bits, and the
+    partials never leave the cache. RMSNorm runs it with mean None and mean(g) 0."""
     rows, cols = x.shape[0] * x.shape[1], x.shape[2]
     c0, c1 = _wide_cols(b, cols)
-    w = _cols(weight, c0, c1)
     for k in range(chunks):
         r0, r1 = k * rows // chunks, (k + 1) * rows // chunks
-        wp, bp = _cols(_row_of(wparts, k), c0, c1), _cols(_row_of(bparts, k), c0, c1)
-        pairs_end = r0 + (r1 - r0) // 2 * 2
-        for r in range(r0, pairs_end, 2):
-            _layer_norm_bwd_pair_store(
-                _block_cols(dy, r, c0, c1), _block_cols(x, r, c0, c1),
-                _block_cols(dy, r + 1, c0, c1), _block_cols(x, r + 1, c0, c1), w,
-                _stat(x, mean, r), acc(x, rstd[r]), sums[r, 0, 0], sums[r, 0, 1],
-                _stat(x, mean, r + 1), acc(x, rstd[r + 1]), sums[r + 1, 0, 0],
-                sums[r + 1, 0, 1], _block_cols(dx, r, c0, c1), _block_cols(dx, r + 1, c0, c1),
-                wp, bp, r == r0)
-        if pairs_end < r1:
-            r = r1 - 1
-            _layer_norm_bwd_store(_block_cols(dy, r, c0, c1), _block_cols(x, r, c0, c1), w,
-                                  _stat(x, mean, r), acc(x, rstd[r]), sums[r, 0, 0],
-                                  sums[r, 0, 1], _block_cols(dx, r, c0, c1), wp, bp, r == r0)
+        wp, bp = _row_of(wparts, k), _row_of(bparts, k)
+        for r in range(r0, r1):
+            dyr = _row_at(dy, r)
+            _norm_bwd_store_at(c0, c1, _data(dyr), _data(_row_at(x, r)), _data(weight),
+                               _stat_or_none(x, mean, r), acc(x, rstd[r]), sums[r, 0, 0],
+                               sums[r, 0, 1], _data(_target(_row_at(dx, r), dyr)), _data(wp),
+                               _data(bp), r == r0)
     _sum_cols(wparts, dweight, c0, c1)
     _sum_cols(bparts, dbias, c0, c1)
 
@@ -1716,12 +1633,12 @@ def _build(loop):
             part = _row_of(dweight_parts, k)
             start = k * rows // chunks
             end = (k + 1) * rows // chunks
-            if not _row_pairs(x, dweight_parts, None):
+            if _rows_pipelined(x):
+                _norm_bwd_rows(dy, x, weight, None, rstd, dx, part, None, start, end)
+            else:
                 for r in range(start, end):
                     _rms_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, rstd[r],
                                       _row_at(dx, r), part, r == start)
-            else:
-                _rms_norm_bwd_pairs(dy, x, weight, rstd, dx, part, start, end)
         # the partials' sum: by column blocks in parallel when there are many
         blocks = _sum_blocks(dweight_parts) if parallel else 0
         if blocks:
@@ -1739,12 +1656,12 @@ def _build(loop):
             bpart = _row_of(dbias_parts, k)
             start = k * rows // chunks
             end = (k + 1) * rows // chunks
-            if not _row_pairs(x, dweight_parts, dbias_parts):
+            if _rows_pipelined(x):
+                _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end)
+            else:
                 for r in range(start, end):
                     _layer_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, mean[r],
                                         rstd[r], _row_at(dx, r), wpart, bpart, r == start)
-            else:
-                _layer_norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end)
         blocks = max(_sum_blocks(dweight_parts), _sum_blocks(dbias_parts)) if parallel else 0
         if blocks:
             sum_partials_by_blocks(dweight_parts, dweight, dbias_parts, dbias, blocks)

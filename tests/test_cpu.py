@@ -16,7 +16,7 @@ from conftest import (BF16, DTYPES, F16, F32, F64, HALVES, LAYOUTS, TOL, acc_dty
 
 SHAPES = [(7,), (1, 1), (3, 5, 129), (64, 1000), (2, 4099),
           (4, 1), (4, 2), (5, 7), (4, 64), (3, 1000),
-          (133, 1024)]          # 4-5 rows per dweight chunk: the row-pair backwards
+          (133, 1024)]          # 4-5 rows per dweight chunk: the pipelined backwards
 SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 shapes = pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
@@ -521,7 +521,7 @@ def test_param_grad_buffers_are_not_reused_across_calls(rng):
 # ============================================================= in-place bwd
 @pytest.mark.parametrize("layout", ["C", "cols2", "transpose", "negrows"])
 @pytest.mark.parametrize("shape", LAYOUT_SHAPES + [(2, 67, 1024)],
-                         ids=["serial", "parallel", "row-pairs"])
+                         ids=["serial", "parallel", "pipelined"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("op", BWD_OPS)
 def test_inplace_backward_bit_identical(rng, op, dtype, shape, layout):
@@ -1039,7 +1039,7 @@ def test_empty_rows(dtype):
 @pytest.mark.parametrize("pkind", ["x", "f32"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
-@pytest.mark.parametrize("shape", [(777, 130), (517, 1024)], ids=str)   # one row, row pairs
+@pytest.mark.parametrize("shape", [(777, 130), (517, 1024)], ids=str)   # row path, pipelined
 def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind, shape):
     """dweight/dbias: the same bits on every run and for 1 and 2 threads."""
     if restore_threads < 2:
@@ -1072,12 +1072,12 @@ def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind, shape
         assert_bits_equal(a, c, "layer_norm_fwd across thread counts")
 
 
-def _param_grads_in_kernel_order(op, dy, x, rstd, mean, pdtype, pairs):
+def _param_grads_in_kernel_order(op, dy, x, rstd, mean, pdtype):
     """dweight (and dbias) as the kernels add them, replayed in NumPy: per chunk
     of rows (cpu.param_chunks), a partial row in the accumulator type that the
-    chunk's first row or pair assigns and the others add to, a pair adding
-    (a0 + a1) and a chunk's odd last row alone; then the partials summed in chunk
-    order, rounded once to the parameter's dtype. Products and sums are rounded
+    chunk's first row assigns and the others add to, one row at a time in row
+    order; then the partials summed in chunk order, rounded once to the
+    parameter's dtype. Products and sums are rounded
     to the accumulator type one at a time (the store loops have no reassociation
     and no contraction), so the bits must match exactly."""
     at = acc_dtype(x.dtype)
@@ -1095,9 +1095,8 @@ def _param_grads_in_kernel_order(op, dy, x, rstd, mean, pdtype, pairs):
         for k in range(chunks):
             start, end = k * rows // chunks, (k + 1) * rows // chunks
             part = None
-            for r in range(start, end, 2 if pairs else 1):
-                v = term[r] + term[r + 1] if pairs and r + 1 < end else term[r]
-                part = v if part is None else part + v
+            for r in range(start, end):
+                part = term[r] if part is None else part + term[r]
             partials.append(part)
         total = partials[0].copy()
         for part in partials[1:]:
@@ -1106,17 +1105,19 @@ def _param_grads_in_kernel_order(op, dy, x, rstd, mean, pdtype, pairs):
     return grads
 
 
-@pytest.mark.parametrize("cols", [1024, cpu.HALF_PAIR_COLS, 3 * cpu.HALF_PAIR_COLS + 5])
+@pytest.mark.parametrize("cols", [40, 1024, 4096, 3 * 4096 + 5])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
 def test_param_grads_bits_follow_the_documented_order(rng, restore_threads, op, dtype, cols):
-    """dweight/dbias bit for bit as documented (row by row below the row-pair
-    floors, pairs above: cpu.PAIR_COLS for float32/float64, cpu.HALF_PAIR_COLS
-    for float16/bfloat16), serial and parallel, with odd rows per chunk (the
-    widest shape has cpu.PARALLEL_SUM_ELEMS partial elements or more: the parallel
-    build sums them by column blocks); dx matches the reference and the in-place
-    call bit for bit."""
-    rows = {1024: 133, cpu.HALF_PAIR_COLS: 165}.get(cols, 101)   # 3-6 rows per chunk
+    """dweight/dbias bit for bit as documented (one row at a time, on the row path
+    below the pipelined backwards' floors and on the pipelined rows above:
+    cpu.BWD_PIPELINE_COLS for float32/float64, cpu.HALF_BWD_PIPELINE_COLS for
+    float16/bfloat16), serial and parallel, with odd rows per chunk (the widest
+    shape has cpu.PARALLEL_SUM_ELEMS partial elements or more: the parallel build
+    sums them by column blocks); dx matches the reference and the in-place call
+    bit for bit."""
+    assert cpu.HALF_BWD_PIPELINE_COLS <= 1024 <= cpu.BWD_PIPELINE_COLS   # both paths
+    rows = {1024: 133, 4096: 165}.get(cols, 101)   # 3-6 rows per chunk
     assert rows // cpu.param_chunks(rows, cols) >= 3
     if cols > cpu.SUM_BLOCK:
         assert cpu.param_chunks(rows, cols) * cols >= cpu.PARALLEL_SUM_ELEMS
@@ -1131,8 +1132,7 @@ def test_param_grads_bits_follow_the_documented_order(rng, restore_threads, op, 
     else:
         _, mean, rstd = nf.layer_norm_fwd(x, w, b)
         d = dict(dy=dy, x=x, weight=w, bias=b, mean=mean, rstd=rstd)
-    floor = cpu.HALF_PAIR_COLS if is_half(dtype) else cpu.PAIR_COLS
-    expected = _param_grads_in_kernel_order(op, dy, x, rstd, mean, dtype, cols >= floor)
+    expected = _param_grads_in_kernel_order(op, dy, x, rstd, mean, dtype)
     for parallel in (False, True):
         with cpu.forced(parallel):
             got = call_op(op, d, out=poisoned(x.shape, dtype))
@@ -1194,11 +1194,12 @@ def test_non_contiguous_layouts_run_unit_stride_loops():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
-def test_pipelined_pair_rows_are_batch_invariant(rng, op, dtype):
-    """The pipelined pair backwards (4-5 rows per dweight chunk, so every chunk
-    runs the pair stage; columns not a power of two, so 1/cols is inexact): each
-    row's dx has the bits of the same row alone, serial and parallel, in place."""
-    cols = 4111 if is_half(dtype) else 1057
+def test_pipelined_bwd_rows_are_batch_invariant(rng, op, dtype):
+    """The pipelined norm backwards (4-5 rows per dweight chunk, so every chunk
+    runs the stage; columns not a power of two, so 1/cols is inexact): each row's
+    dx has the bits of the same row alone, serial and parallel, in place."""
+    cols = 1057
+    assert cols >= max(cpu.BWD_PIPELINE_COLS, cpu.HALF_BWD_PIPELINE_COLS)
     ROWS = 130
     x, dy = draw(rng, (ROWS, cols), dtype), draw(rng, (ROWS, cols), dtype)
     w = draw_param(rng, cols, "x", dtype)
@@ -1387,7 +1388,7 @@ def test_blocked_kernels_serve_few_long_rows(restore_threads):
     long = {k: kernel for k, kernel in picks.items() if kernel in cpu.LONG.values()}
     assert long == {("softmax_fwd", 1, cpu.WIDE_FWD_COLS): cpu.LONG["blocked"],
                     ("softmax_fwd", 2, cpu.WIDE_FWD_COLS): cpu.LONG["parallel"]}
-    assert cpu.PIPELINE_COLS == cpu.WIDE_COLS          # the pairs above straddle both
+    assert cpu.PIPELINE_COLS == cpu.WIDE_COLS          # the shapes above straddle both
     assert all(picks[k] is cpu.PARALLEL[k[0]] for k in set(picks) - blocked - set(long))
     assert blocked == {(op, rows, cols) for op in ("rms_norm_bwd", "layer_norm_bwd")
                        for rows, cols in ((1, cpu.WIDE_COLS), (most, cpu.WIDE_COLS),
@@ -1433,32 +1434,31 @@ def test_norm_forwards_run_row_by_row_where_y_aliases_the_next_row(dtype, restor
                 assert_bits_equal(g, e, f"layer_norm {name}")
 
 
-def test_pair_stage_noalias_spares_the_in_place_pointers():
-    """The backwards' pipelined pair stage marks the pointers nothing else writes
+def test_bwd_stage_noalias_spares_the_in_place_pointers():
+    """The norm backwards' pipelined stage marks the pointers nothing else writes
     through ``noalias`` (the weight is then widened once per block), and not dy/dx,
     which are one array in place (``_no_alias_args``): read in the LLVM IR."""
     import re
     from numba import njit
     from numba_fused import cpu
     from numba_fused._lanes import data
-    fresh = njit(error_model="numpy")(cpu._layer_norm_bwd_pair_stage_at.py_func)
+    fresh = njit(error_model="numpy")(cpu._norm_bwd_stage_at.py_func)
     f32 = np.float32
 
     @njit
     def call(dy, x, w, parts):
         n = x.shape[1]
-        return fresh(n, data(dy[0]), data(x[0]), data(dy[1]), data(x[1]), data(w),
-                     f32(0), f32(1), f32(0), f32(0), f32(0), f32(1), f32(0), f32(0),
-                     data(dy[0]), data(dy[1]), data(parts[0]), data(parts[1]), True,
-                     data(dy[2]), data(x[2]), data(dy[3]), data(x[3]), f32(0), f32(0))
-    dy = np.ones((4, 256), np.uint16)
+        return fresh(n, data(dy[0]), data(x[0]), data(w), f32(0), f32(1), f32(0), f32(0),
+                     data(dy[0]), data(parts[0]), data(parts[1]), True, data(dy[1]),
+                     data(x[1]), f32(0))
+    dy = np.ones((2, 256), np.uint16)
     call(dy, dy.copy(), np.ones(256, np.uint16), np.zeros((2, 256), np.float32))
     ir = fresh.inspect_llvm(fresh.signatures[0])
     head = re.search(r"define [^\n]*", ir).group(0)
 
     def attrs(name):
         return re.search(r"ptr ([^%,]*)%arg\." + name + r"\b", head).group(1)
-    for name in ("x0", "x1", "weight", "dweight", "dbias", "dy2", "x2", "dy3", "x3"):
+    for name in ("xc", "weight", "dweight", "dbias", "dya", "xa"):
         assert "noalias" in attrs(name), name
-    for name in ("dy0", "dy1", "dx0", "dx1"):
+    for name in ("dyc", "dxc"):
         assert "noalias" not in attrs(name), name
