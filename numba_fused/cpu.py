@@ -974,7 +974,8 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, dweight, dbias, lo, hi):
     Replaced row pairs (one store pass for two rows, each partial element read and
     written once per two rows; float32/float64 from 1024 columns, halves from 4096),
     whose stage kept twice the live lanes and spilled, for one dweight/dbias order
-    on every path. AMD EPYC, 2026-12-05, against the pipelined pairs (ab.py and
+    on every path; which rows take it: ``_rows_pipelined``. AMD EPYC, 2026-12-05,
+    against the pipelined pairs (ab.py and
     five buffer placements, 2 threads, from memory): float32 65536x1024 rms_norm
     bwd 1.01-1.42x, layer_norm bwd 0.87-1.12x (even within the noise); one thread
     in cache 0.93-1.05x in L2, 1.19-1.40x from L3; float64 0.95-1.07x; bfloat16
@@ -1302,10 +1303,10 @@ def _pipeline_chunks(rows, threads):
     return _thread_chunks(rows // 32, threads, True)
 
 
-#: norm backwards run pipelined (``_norm_bwd_rows``) from this many columns on in
-#: float32/float64, from HALF_BWD_PIPELINE_COLS in float16/bfloat16 (see
-#: _rows_pipelined)
-BWD_PIPELINE_COLS = 1024
+#: norm backwards run pipelined (``_norm_bwd_rows``) from rows of this many bytes
+#: in float32/float64, from HALF_BWD_PIPELINE_COLS columns in float16/bfloat16
+#: (see _rows_pipelined)
+BWD_PIPELINE_BYTES = 1 << 14
 HALF_BWD_PIPELINE_COLS = 64
 
 
@@ -1316,15 +1317,21 @@ def _rows_pipelined(x):
 @overload(_rows_pipelined)
 def _rows_pipelined_impl(x):
     """Whether a norm backward runs its rows pipelined (``_norm_bwd_rows``) rather
-    than one row's two passes after the other (``*_bwd_row``): from
-    BWD_PIPELINE_COLS columns in float32/float64 and HALF_BWD_PIPELINE_COLS in
-    float16/bfloat16 (a function of the signature and the shape; the bits are the
-    same either way). Measured on the AMD EPYC, 2026-12-05 (benchmarks/ab.py,
-    pipelined against the row path): bfloat16 1.24-1.44x at 64-2048 columns but
-    0.71-0.79x at 16-32 (a masked block per row); float32 0.99-1.08x at 64-256
-    columns, 0.87-0.95x at 512; float64 0.98-1.06x at 16-128 columns."""
-    floor = (BWD_PIPELINE_COLS if x.dtype in (types.float32, types.float64)
-             else HALF_BWD_PIPELINE_COLS)
+    than one row's two passes after the other (``*_bwd_row``): float32/float64
+    rows of BWD_PIPELINE_BYTES or more, float16/bfloat16 rows of
+    HALF_BWD_PIPELINE_COLS columns or more (a function of the signature and the
+    shape; the bits are the same either way). Measured on the AMD EPYC,
+    2026-12-05 (in-process A/B, 2 threads, from memory unless said; row path
+    against pipelined): float32 1024 columns 1.06-1.10x, 1.23-1.37x where dx's
+    rows lie 2**28 bytes from x's next ones (see ALIAS_SPAN), 1.07-1.11x from L3,
+    even in L2; 8 KiB rows (float32 2048, float64 1024 columns) 0.91-1.01x, aliased
+    1.18-1.25x; 16 KiB rows 0.93-0.99x. bfloat16: 0.77-0.92x from 64 columns up
+    (arithmetic-bound: the pipeline overlaps it with memory), but at 16-32
+    columns (a masked block per row) the pipeline ran 0.71-0.79x."""
+    if x.dtype in (types.float32, types.float64):
+        floor = BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
+    else:
+        floor = HALF_BWD_PIPELINE_COLS
     return lambda x: x.shape[2] >= floor
 
 

@@ -16,7 +16,7 @@ from conftest import (BF16, DTYPES, F16, F32, F64, HALVES, LAYOUTS, TOL, acc_dty
 
 SHAPES = [(7,), (1, 1), (3, 5, 129), (64, 1000), (2, 4099),
           (4, 1), (4, 2), (5, 7), (4, 64), (3, 1000),
-          (133, 1024)]          # 4-5 rows per dweight chunk: the pipelined backwards
+          (133, 1024)]          # 4-5 rows per dweight chunk: the pipelined half backwards
 SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 shapes = pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
@@ -1111,12 +1111,13 @@ def _param_grads_in_kernel_order(op, dy, x, rstd, mean, pdtype):
 def test_param_grads_bits_follow_the_documented_order(rng, restore_threads, op, dtype, cols):
     """dweight/dbias bit for bit as documented (one row at a time, on the row path
     below the pipelined backwards' floors and on the pipelined rows above:
-    cpu.BWD_PIPELINE_COLS for float32/float64, cpu.HALF_BWD_PIPELINE_COLS for
-    float16/bfloat16), serial and parallel, with odd rows per chunk (the widest
+    rows of cpu.BWD_PIPELINE_BYTES for float32/float64, cpu.HALF_BWD_PIPELINE_COLS
+    columns for float16/bfloat16), serial and parallel, with odd rows per chunk (the widest
     shape has cpu.PARALLEL_SUM_ELEMS partial elements or more: the parallel build
     sums them by column blocks); dx matches the reference and the in-place call
     bit for bit."""
-    assert cpu.HALF_BWD_PIPELINE_COLS <= 1024 <= cpu.BWD_PIPELINE_COLS   # both paths
+    assert cpu.HALF_BWD_PIPELINE_COLS <= 1024 < cpu.BWD_PIPELINE_BYTES // 8   # both paths
+    assert 4096 * 4 >= cpu.BWD_PIPELINE_BYTES
     rows = {1024: 133, 4096: 165}.get(cols, 101)   # 3-6 rows per chunk
     assert rows // cpu.param_chunks(rows, cols) >= 3
     if cols > cpu.SUM_BLOCK:
@@ -1198,8 +1199,9 @@ def test_pipelined_bwd_rows_are_batch_invariant(rng, op, dtype):
     """The pipelined norm backwards (4-5 rows per dweight chunk, so every chunk
     runs the stage; columns not a power of two, so 1/cols is inexact): each row's
     dx has the bits of the same row alone, serial and parallel, in place."""
-    cols = 1057
-    assert cols >= max(cpu.BWD_PIPELINE_COLS, cpu.HALF_BWD_PIPELINE_COLS)
+    cols = 1057 if is_half(dtype) else 4111
+    assert cols >= (cpu.HALF_BWD_PIPELINE_COLS if is_half(dtype)
+                    else cpu.BWD_PIPELINE_BYTES // np.dtype(dtype).itemsize)
     ROWS = 130
     x, dy = draw(rng, (ROWS, cols), dtype), draw(rng, (ROWS, cols), dtype)
     w = draw_param(rng, cols, "x", dtype)
