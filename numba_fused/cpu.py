@@ -517,7 +517,8 @@ def _grad_sums_span(dy, weight, x, center, c0, c1):
 @_row
 def _grad_sums_block(dy, weight, x, center, dot, gsum, c, k):
     g = _vtimes(lanes_load(dy, c, k), weight, c, k)     # 0 in the padded lanes
-    return _fma(g, lanes_keep(_centered(lanes_load(x, c, k), center), k, acc(x, 0.0)), dot), gsum + g
+    v = lanes_keep(_centered(lanes_load(x, c, k), center), k, acc(x, 0.0))
+    return _fma(g, v, dot), gsum + g
 
 
 # ------------------------------------------------------------------ softmax
@@ -806,7 +807,7 @@ def _rms_norm_bwd_dot(dy, x, weight, rstd):
     """mean(g * xhat) of a row, as sum * (1 / cols): the pipelined rows take it
     from the norms' stage (``_norm_bwd_rows``), which scales so."""
     inv_cols = acc(x, 1.0) / acc(x, x.shape[0])
-    return rstd * _grad_sums(dy, weight, x, acc(x, 0.0))[0] * inv_cols
+    return rstd * _grad_sums(dy, weight, x, None)[0] * inv_cols
 
 
 # ---------------------------------------------------------------- LayerNorm
@@ -943,12 +944,12 @@ def _layer_norm_bwd_row(dy, x, weight, mean, rstd, dx, dweight, dbias, first):
 @_row
 def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first):
     """The store pass of ``_layer_norm_bwd_row``, given the row's sums. With mean
-    and gmean 0 and dbias None it is RMSNorm's (x - 0 and v - 0 are exact)."""
+    None, gmean 0 and dbias None it is RMSNorm's (its x - 0 would be exact)."""
     _accumulate(dbias, dy, first)     # before dx: in place, dx overwrites dy
     dx = _target(dx, dy)
     for c in range(x.shape[0]):
         d = widen(dy[c])
-        xhat = (widen(x[c]) - mean) * rstd
+        xhat = _centered(widen(x[c]), mean) * rstd
         _add_into(dweight, c, d * xhat, first)
         dx[c] = narrow(_norm_dx(_times(d, weight, c), xhat, rstd, dot, gmean), dx)
 
@@ -989,10 +990,10 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, dweight, dbias, lo, hi):
         dyc = _row_at(dy, r)
         s, g = _norm_bwd_stage_at(
             x.shape[2], _data(dyc), _data(_row_at(x, r)), _data(weight),
-            _stat_or_none(x, mean, r), acc(x, rstd[r]), dot, _gmean_of(x, mean, gmean),
+            _stat(x, mean, r), acc(x, rstd[r]), dot, _gmean_of(x, mean, gmean),
             _data(_target(_row_at(dx, r), dyc)), _data(dweight), _data(dbias), r == lo,
             _data(_row_at(dy, r + 1)), _data(_row_at(x, r + 1)),
-            _stat_or_none(x, mean, r + 1))
+            _stat(x, mean, r + 1))
         dot, gmean = acc(x, rstd[r + 1]) * s * inv_cols, g * inv_cols
     _layer_norm_bwd_store(_row_at(dy, hi - 1), _row_at(x, hi - 1), weight,
                           _stat(x, mean, hi - 1), acc(x, rstd[hi - 1]), dot,
@@ -1068,23 +1069,12 @@ def _stat(x, stats, r):
     raise NotImplementedError
 
 
-def _stat_or_none(x, stats, r):
-    raise NotImplementedError
-
-
-@overload(_stat_or_none)
-def _stat_or_none_impl(x, stats, r):
-    """stats[r] in x's accumulator type; None for None (see ``_centered``)."""
-    if isinstance(stats, types.NoneType):
-        return lambda x, stats, r: None
-    return lambda x, stats, r: acc(x, stats[r])
-
-
 @overload(_stat)
 def _stat_impl(x, stats, r):
-    """stats[r] in x's accumulator type; 0 for None (RMSNorm's mean)."""
+    """stats[r] in x's accumulator type; None for None (RMSNorm's mean, which the
+    consumers skip: ``_centered``)."""
     if isinstance(stats, types.NoneType):
-        return lambda x, stats, r: acc(x, 0.0)
+        return lambda x, stats, r: None
     return lambda x, stats, r: acc(x, stats[r])
 
 
@@ -1534,7 +1524,7 @@ def _wide_bwd_store(dy, x, weight, mean, rstd, dx, wparts, bparts, sums, b, chun
         for r in range(r0, r1):
             dyr = _row_at(dy, r)
             _norm_bwd_store_at(c0, c1, _data(dyr), _data(_row_at(x, r)), _data(weight),
-                               _stat_or_none(x, mean, r), acc(x, rstd[r]), sums[r, 0, 0],
+                               _stat(x, mean, r), acc(x, rstd[r]), sums[r, 0, 0],
                                sums[r, 0, 1], _data(_target(_row_at(dx, r), dyr)), _data(wp),
                                _data(bp), r == r0)
     _sum_cols(wparts, dweight, c0, c1)
