@@ -972,14 +972,14 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, dweight, dbias, lo, hi):
     and the partials add the rows' terms one row at a time, in row order, as the
     row path does.
 
-    Replaced row pairs (one store pass for two rows, each partial element read and
-    written once per two rows; float32/float64 from 1024 columns, halves from 4096),
-    whose stage kept twice the live lanes and spilled, for one dweight/dbias order
-    on every path; which rows take it: ``_rows_pipelined``. AMD EPYC, 2026-12-05,
-    against the pipelined pairs (ab.py and
-    five buffer placements, 2 threads, from memory): float32 65536x1024 rms_norm
-    bwd 1.01-1.42x, layer_norm bwd 0.87-1.12x (even within the noise); one thread
-    in cache 0.93-1.05x in L2, 1.19-1.40x from L3; float64 0.95-1.07x; bfloat16
+    Which rows take it: ``_rows_pipelined``. It replaced row pairs (one store pass
+    for two rows, each partial element read and written once per two rows;
+    float32/float64 from 1024 columns, halves from 4096), whose stage kept twice
+    the live lanes and spilled, and it leaves one dweight/dbias order on every
+    path. Against the pipelined pairs (AMD EPYC, 2026-12-05, ab.py and five buffer
+    placements, 2 threads, from memory): float32 65536x1024 rms_norm bwd
+    1.01-1.42x, layer_norm bwd 0.87-1.12x; one thread in cache 0.93-1.05x in L2,
+    1.19-1.40x from L3; 4096 columns 0.91-1.03x; float64 0.95-1.07x; bfloat16
     65536x1024 rms_norm 1.09-1.26x, layer_norm 1.20-1.35x; against the row path
     (below the old pair floors) bfloat16 1.24-1.44x at 64-2048 columns.
     """
