@@ -789,25 +789,13 @@ def _norm_dx(g, xhat, rstd, dot, gmean):
 def _rms_norm_bwd_row(dy, x, weight, rstd, dx, dweight, first):
     """With xhat = x * rstd, g = dy * weight:
     dx = rstd * (g - xhat * mean(g * xhat)); dweight += dy * xhat (= on the
-    chunk's ``first`` row, so partial rows need no zeroing). dx None: into dy."""
-    cols = x.shape[0]
+    chunk's ``first`` row, so partial rows need no zeroing). dx None: into dy.
+    LayerNorm's two passes with mean None (no subtraction), mean(g) 0 and no
+    dbias: the same operations, so the bits of the pipelined rows' stage."""
     rstd = acc(x, rstd)
-    dot = _rms_norm_bwd_dot(dy, x, weight, rstd)
-    zero = acc(x, 0.0)          # mean(g): LayerNorm's dx with it 0, its bits
-    dx = _target(dx, dy)
-    for c in range(cols):
-        d = widen(dy[c])
-        xhat = widen(x[c]) * rstd
-        _add_into(dweight, c, d * xhat, first)
-        dx[c] = narrow(_norm_dx(_times(d, weight, c), xhat, rstd, dot, zero), dx)
-
-
-@_row
-def _rms_norm_bwd_dot(dy, x, weight, rstd):
-    """mean(g * xhat) of a row, as sum * (1 / cols): the pipelined rows take it
-    from the norms' stage (``_norm_bwd_rows``), which scales so."""
-    inv_cols = acc(x, 1.0) / acc(x, x.shape[0])
-    return rstd * _grad_sums(dy, weight, x, None)[0] * inv_cols
+    dot, _ = _layer_norm_bwd_sums(dy, x, weight, None, rstd)
+    _layer_norm_bwd_store(dy, x, weight, None, rstd, dot, acc(x, 0.0), dx, dweight, None,
+                          first)
 
 
 # ---------------------------------------------------------------- LayerNorm
