@@ -138,6 +138,8 @@ SERIAL_CAP = 1 << 20
 #: at most this many dweight/dbias partial rows, and at most _PARTIAL_ELEMS floats
 MAX_CHUNKS = 32
 _PARTIAL_ELEMS = 1 << 20
+#: and at least this many rows per partial row (see param_chunks)
+CHUNK_ROWS = 4
 
 
 @intrinsic
@@ -258,8 +260,6 @@ def _vadd_into_impl(total, c, v, k, first):
 #: thread on the row path). The softmax is row by row (its exp sum is not blocked).
 WIDE_COLS = 1 << 16
 WIDE_BLOCK = 1 << 13
-#: a backward runs column-blocked up to this many rows per thread
-WIDE_ROWS = 4
 #: a norm forward runs column-blocked from this many columns (and fewer rows than
 #: threads)
 WIDE_FWD_COLS = 1 << 18
@@ -951,14 +951,20 @@ def _layer_norm_bwd_sums(dy, x, weight, mean, rstd):
 
 
 @_row
-def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, dweight, dbias, lo, hi):
-    """Rows lo..hi-1 of a norm backward (LayerNorm; RMSNorm with mean None),
-    software-pipelined as ``_softmax_bwd_rows``: one pass over the columns stores
-    row r (dx and the dweight/dbias partials, in cache) while it takes the sums of
-    row r + 1 (from memory). Row lo's sums and row hi-1's store are passes of
-    their own, with the stage's lanes and operations: dx has the row-by-row bits,
-    and the partials add the rows' terms one row at a time, in row order, as the
-    row path does.
+def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1):
+    """The rows of chunks k0..k1-1 (of ``chunks``; see ``_chunk_rows``) of a norm
+    backward (LayerNorm; RMSNorm with mean None), software-pipelined as
+    ``_softmax_bwd_rows``: one pass over the columns stores row r (dx, and its
+    terms into its chunk's dweight/dbias partial rows wparts/bparts[k], in cache)
+    while it takes the sums of row r + 1 (from memory). The first row's sums and
+    the last row's store are passes of their own, with the stage's lanes and
+    operations: dx has the row-by-row bits, and each partial adds its chunk's rows'
+    terms one row at a time, in row order, as the row path does.
+
+    One pipeline runs through all the chunks of a thread, so a thread whose chunks
+    hold one row each (16x65536: 16 partial rows) still overlaps every row's sums
+    with the previous row's store; pipelined per chunk it could not (float32
+    16x65536 from memory 1.5 ms against 0.68 column-blocked, 2026-12-05).
 
     Which rows take it: ``_rows_pipelined``. It replaced row pairs (one store pass
     for two rows, each partial element read and written once per two rows;
@@ -971,22 +977,37 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, dweight, dbias, lo, hi):
     65536x1024 rms_norm 1.09-1.26x, layer_norm 1.20-1.35x; against the row path
     (below the old pair floors) bfloat16 1.24-1.44x at 64-2048 columns.
     """
+    rows = x.shape[0] * x.shape[1]
+    lo, hi = _chunk_rows(k0, rows, chunks)[0], _chunk_rows(k1 - 1, rows, chunks)[1]
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
     dot, gmean = _layer_norm_bwd_sums(_row_at(dy, lo), _row_at(x, lo), weight,
                                       _stat(x, mean, lo), acc(x, rstd[lo]))
+    k, start, end = k0, lo, _chunk_rows(k0, rows, chunks)[1]
     for r in range(lo, hi - 1):
+        if r == end:             # row r opens chunk k + 1
+            k, start, end = k + 1, r, _chunk_rows(k + 1, rows, chunks)[1]
         dyc = _row_at(dy, r)
         s, g = _norm_bwd_stage_at(
             x.shape[2], _data(dyc), _data(_row_at(x, r)), _data(weight),
             _stat(x, mean, r), acc(x, rstd[r]), dot, _gmean_of(x, mean, gmean),
-            _data(_target(_row_at(dx, r), dyc)), _data(dweight), _data(dbias), r == lo,
+            _data(_target(_row_at(dx, r), dyc)), _data(_row_of(wparts, k)),
+            _data(_row_of(bparts, k)), r == start,
             _data(_row_at(dy, r + 1)), _data(_row_at(x, r + 1)),
             _stat(x, mean, r + 1))
         dot, gmean = acc(x, rstd[r + 1]) * s * inv_cols, g * inv_cols
+    if hi - 1 == end:
+        k, start = k + 1, hi - 1
     _layer_norm_bwd_store(_row_at(dy, hi - 1), _row_at(x, hi - 1), weight,
                           _stat(x, mean, hi - 1), acc(x, rstd[hi - 1]), dot,
-                          _gmean_of(x, mean, gmean), _row_at(dx, hi - 1), dweight, dbias,
-                          hi - 1 == lo)
+                          _gmean_of(x, mean, gmean), _row_at(dx, hi - 1),
+                          _row_of(wparts, k), _row_of(bparts, k), hi - 1 == start)
+
+
+@njit(inline='always')
+def _chunk_rows(k, rows, chunks):
+    """Rows start..end-1 of chunk k of ``chunks`` (each a dweight/dbias partial row;
+    ``param_chunks``)."""
+    return k * rows // chunks, (k + 1) * rows // chunks
 
 
 @_lanes_fn
@@ -1315,12 +1336,13 @@ def _rows_pipelined_impl(x):
 
 def _wide_bwd(rows, cols, threads):
     """Whether a norm backward runs column-blocked: rows of WIDE_COLS columns and
-    more, at most WIDE_ROWS per thread (more rows keep the threads busy row by row,
-    and the row path's pipelining won from memory: 64x262144 ran 0.83-0.91x
-    column-blocked; with 8 rows per thread the row path ran 1.06-1.22x from memory
-    and 0.97-1.23x in L3 at 16x65536-16x262144, with 4 mixed, 0.92-1.16x;
-    benchmarks/ab.py 2026-12-05)."""
-    return cols >= WIDE_COLS and rows <= WIDE_ROWS * threads
+    more, too few for a dweight partial (``param_chunks``) per thread. The row
+    path runs a thread per partial at most, and where it has one for every thread
+    it reads the rows from memory once where the column-blocked pass reads them
+    twice (AMD EPYC, 2026-12-05, in-process A/B from memory, 2 threads, row path
+    against column-blocked: 8x65536-8x131072 1.06-1.26x, 16x65536-32x65536
+    1.15-1.30x, 16x262144 1.03-1.28x; 4x262144, one partial, 0.71-0.81x)."""
+    return cols >= WIDE_COLS and param_chunks(rows, cols) < threads
 
 
 @njit(inline='always')
@@ -1611,19 +1633,22 @@ def _build(loop):
     # dweight/dbias partials are summed in the driver, after the row loop: one
     # dispatch per call (a second numba call cost ~0.4 us, measured).
     @njit(**opts)
-    def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks, dweight):
+    def rms_norm_bwd(dy, x, weight, rstd, dx, dweight_parts, chunks, dweight, threads):
         rows = x.shape[0] * x.shape[1]
-        for k in loop(chunks):
+        groups = _thread_chunks(chunks, threads, parallel)
+        for t in loop(groups):
             _wide_for_halves(x)
-            part = _row_of(dweight_parts, k)
-            start = k * rows // chunks
-            end = (k + 1) * rows // chunks
+            k0, k1 = t * chunks // groups, (t + 1) * chunks // groups
             if _rows_pipelined(x):
-                _norm_bwd_rows(dy, x, weight, None, rstd, dx, part, None, start, end)
+                _norm_bwd_rows(dy, x, weight, None, rstd, dx, dweight_parts, None, chunks,
+                               k0, k1)
             else:
-                for r in range(start, end):
-                    _rms_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, rstd[r],
-                                      _row_at(dx, r), part, r == start)
+                for k in range(k0, k1):
+                    start, end = _chunk_rows(k, rows, chunks)
+                    for r in range(start, end):
+                        _rms_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, rstd[r],
+                                          _row_at(dx, r), _row_of(dweight_parts, k),
+                                          r == start)
         # the partials' sum: by column blocks in parallel when there are many
         blocks = _sum_blocks(dweight_parts) if parallel else 0
         if blocks:
@@ -1633,20 +1658,22 @@ def _build(loop):
 
     @njit(**opts)
     def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
-                       chunks, dweight, dbias):
+                       chunks, dweight, dbias, threads):
         rows = x.shape[0] * x.shape[1]
-        for k in loop(chunks):
+        groups = _thread_chunks(chunks, threads, parallel)
+        for t in loop(groups):
             _wide_for_halves(x)
-            wpart = _row_of(dweight_parts, k)
-            bpart = _row_of(dbias_parts, k)
-            start = k * rows // chunks
-            end = (k + 1) * rows // chunks
+            k0, k1 = t * chunks // groups, (t + 1) * chunks // groups
             if _rows_pipelined(x):
-                _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end)
+                _norm_bwd_rows(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
+                               chunks, k0, k1)
             else:
-                for r in range(start, end):
-                    _layer_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, mean[r],
-                                        rstd[r], _row_at(dx, r), wpart, bpart, r == start)
+                for k in range(k0, k1):
+                    start, end = _chunk_rows(k, rows, chunks)
+                    for r in range(start, end):
+                        _layer_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, mean[r],
+                                            rstd[r], _row_at(dx, r), _row_of(dweight_parts, k),
+                                            _row_of(dbias_parts, k), r == start)
         blocks = max(_sum_blocks(dweight_parts), _sum_blocks(dbias_parts)) if parallel else 0
         if blocks:
             sum_partials_by_blocks(dweight_parts, dweight, dbias_parts, dbias, blocks)
@@ -1711,9 +1738,11 @@ BLOCKED = dict(
         x, weight, None, eps, y, None, rstd),
     layer_norm_fwd=lambda x, weight, bias, eps, y, mean, rstd, threads: norm_fwd_blocked(
         x, weight, bias, eps, y, mean, rstd),
-    rms_norm_bwd=lambda dy, x, weight, rstd, dx, parts, chunks, dweight: norm_bwd_blocked(
-        dy, x, weight, None, rstd, dx, parts, None, chunks, dweight, None),
-    layer_norm_bwd=norm_bwd_blocked)
+    rms_norm_bwd=lambda dy, x, weight, rstd, dx, parts, chunks, dweight, threads:
+        norm_bwd_blocked(dy, x, weight, None, rstd, dx, parts, None, chunks, dweight, None),
+    layer_norm_bwd=lambda dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, dweight,
+        dbias, threads: norm_bwd_blocked(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks,
+                                         dweight, dbias))
 _BLOCKED_WHEN = dict(rms_norm_fwd=_wide_fwd, layer_norm_fwd=_wide_fwd,
                      rms_norm_bwd=_wide_bwd, layer_norm_bwd=_wide_bwd)
 
@@ -1893,8 +1922,17 @@ def _run(name, key, x, *args):
 
 
 def param_chunks(rows, cols):
-    """Number of dweight/dbias partial rows: a function of the shape only."""
-    return max(1, min(rows, MAX_CHUNKS, _PARTIAL_ELEMS // max(cols, 1)))
+    """Number of dweight/dbias partial rows: a function of the shape only (so are
+    the bits of dweight/dbias), at most MAX_CHUNKS and _PARTIAL_ELEMS elements,
+    at least CHUNK_ROWS rows each. Why the rows: every row adds into its chunk's
+    partial row, which a row of its own per chunk reads and writes as often as
+    the row's data (16x65536 had 16 partial rows of 256 KiB); in the benchmark
+    the partials start out of cache. At least 4 rows per partial against one
+    (AMD EPYC, 2026-12-05, in-process A/B, from memory, 2 threads): 16x65536
+    1.32-1.82x, 32x65536 1.04-1.31x, 64x16384 1.07-1.25x, 16x262144 (4 chunks
+    either way) 1.01-1.05x; 8 rows gained ~10% more, but leaves fewer chunks,
+    hence threads, to few rows (16 rows: 2)."""
+    return max(1, min(rows // CHUNK_ROWS, MAX_CHUNKS, _PARTIAL_ELEMS // max(cols, 1)))
 
 
 _param_chunks = njit(cache=True)(param_chunks)
@@ -2018,7 +2056,7 @@ def small_rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
              and _fits(weight, cols))
     chunks = _chunks_for(rows, cols, weight, None)
     _serial_rms_norm_bwd(_rows3(dy), _rows3(x), weight, rstd, _rows3(dx),
-                         _parts_for(weight, x, chunks, cols), chunks, dweight)
+                         _parts_for(weight, x, chunks, cols), chunks, dweight, 1)
 
 
 @_small
@@ -2029,7 +2067,7 @@ def small_layer_norm_bwd(dy, x, weight, bias, mean, rstd, dx, dweight, dbias):
     chunks = _chunks_for(rows, cols, weight, bias)
     _serial_layer_norm_bwd(_rows3(dy), _rows3(x), weight, mean, rstd, _rows3(dx),
                            _parts_for(weight, x, chunks, cols),
-                           _parts_for(bias, x, chunks, cols), chunks, dweight, dbias)
+                           _parts_for(bias, x, chunks, cols), chunks, dweight, dbias, 1)
 
 
 #: the small-call entries by kernel name (each applies below SMALL_BELOW[name])
@@ -2165,12 +2203,12 @@ def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
     rows = x.shape[0] * x.shape[1]
     if dweight is None:
         _run("rms_norm_bwd", "rms_norm_bwd", x, dy, x, weight, rstd,
-             None if dx is dy else dx, None, rows, None)
+             None if dx is dy else dx, None, rows, None, _thread_count())
         return
     chunks = param_chunks(rows, x.shape[2])
     parts = _partials(dweight, chunks, rstd.dtype)     # rstd is in the accumulator type
     _run("rms_norm_bwd", "rms_norm_bwd+params", x, dy, x, weight, rstd,
-         None if dx is dy else dx, parts, chunks, dweight)
+         None if dx is dy else dx, parts, chunks, dweight, _thread_count())
     if parts.base is not dweight:
         _SCRATCH.give(parts)
 
@@ -2179,14 +2217,14 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
     rows = x.shape[0] * x.shape[1]
     if dweight is None and dbias is None:
         _run("layer_norm_bwd", "layer_norm_bwd", x, dy, x, weight, mean, rstd,
-             None if dx is dy else dx, None, None, rows, None, None)
+             None if dx is dy else dx, None, None, rows, None, None, _thread_count())
         return
     chunks = param_chunks(rows, x.shape[2])
     acc_dtype = rstd.dtype                            # rstd is in the accumulator type
     wparts = _partials(dweight, chunks, acc_dtype)
     bparts = _partials(dbias, chunks, acc_dtype)
     _run("layer_norm_bwd", "layer_norm_bwd+params", x, dy, x, weight, mean, rstd,
-         None if dx is dy else dx, wparts, bparts, chunks, dweight, dbias)
+         None if dx is dy else dx, wparts, bparts, chunks, dweight, dbias, _thread_count())
     if wparts is not None and wparts.base is not dweight:
         _SCRATCH.give(wparts)
     if bparts is not None and bparts.base is not dbias:

@@ -1181,10 +1181,10 @@ def test_non_contiguous_layouts_run_unit_stride_loops():
     part = np.empty((1, 64), np.float32)
     args = {"softmax_fwd": (rows, out, 1), "softmax_bwd": (rows, rows, out, 1),
             "rms_norm_fwd": (rows, w, 1e-6, out, st.copy(), 1),
-            "rms_norm_bwd": (rows, rows, w, st, out, part, 1, w.copy()),
+            "rms_norm_bwd": (rows, rows, w, st, out, part, 1, w.copy(), 1),
             "layer_norm_fwd": (rows, w, w, 1e-5, out, st.copy(), st.copy(), 1),
             "layer_norm_bwd": (rows, rows, w, st, st, out, part, part.copy(), 1,
-                               w.copy(), w.copy())}
+                               w.copy(), w.copy(), 1)}
     for name, a in args.items():
         fresh = njit(cpu.SERIAL[name].py_func)      # cached code cannot be inspected
         fresh(*a)
@@ -1224,6 +1224,34 @@ def test_pipelined_bwd_rows_are_batch_invariant(rng, op, dtype):
                 assert_bits_equal(call_op(op, alone)[0][0], dx[r], f"{op} row {r}")
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+@pytest.mark.parametrize("op, params", [("rms_norm_bwd", True), ("layer_norm_bwd", True),
+                                        ("layer_norm_bwd", False)])
+def test_bwd_pipeline_across_chunks_bits_do_not_depend_on_threads(rng, op, params, dtype):
+    """The pipelined norm backward runs one pipeline through all the dweight/dbias
+    chunks of a thread (7 chunks of 4-5 rows here; without parameters a chunk per
+    row): dx, dweight and dbias have the same bits whatever the grouping (1, 2, 3
+    or 7 groups), and match the reference."""
+    rows, cols = 30, 4111 if dtype == F32 else 1057
+    assert cpu.param_chunks(rows, cols) == 7
+    x, dy = draw(rng, (rows, cols), dtype), draw(rng, (rows, cols), dtype)
+    w = draw_param(rng, cols, "x", dtype) if params else None
+    if op == "rms_norm_bwd":
+        d = dict(dy=dy, x=x, weight=w, rstd=nf.rms_norm_fwd(x, w)[1])
+    else:
+        _, mean, rstd = nf.layer_norm_fwd(x, w, w)
+        d = dict(dy=dy, x=x, weight=w, bias=w, mean=mean, rstd=rstd)
+    first = _norm_bwd_by_driver(op, d, cpu.PARALLEL, threads=1)
+    check_op(op, d, first)
+    for threads in (2, 3, 7):
+        for g, e, name in zip(_norm_bwd_by_driver(op, d, cpu.PARALLEL, threads=threads),
+                              first, ("dx", "dweight", "dbias")):
+            if e is None:
+                assert g is None
+            else:
+                assert_bits_equal(g, e, f"{name}, {threads} groups")
+
+
 def _row_results(x, dy, w):
     """Forward outputs and backward dx of every op for the rows of x (bytes per row)."""
     y_sm = nf.softmax_fwd(x)
@@ -1257,9 +1285,9 @@ def test_rows_are_batch_invariant(rng, dtype, cols):
 
 
 # ============================================= long rows: column-blocked calls
-def _norm_bwd_by_driver(op, d, kernels, inplace=False):
+def _norm_bwd_by_driver(op, d, kernels, inplace=False, threads=2):
     """The backward kernel of ``op`` in ``kernels`` (cpu.PARALLEL: the row path,
-    cpu.BLOCKED: column-blocked) on 2-D inputs."""
+    cpu.BLOCKED: column-blocked) on 2-D inputs, its rows in ``threads`` groups."""
     from numba_fused import _dtypes as D
     st = lambda a: None if a is None else D.to_storage(a)
     x, w, b = d["x"], d["weight"], d.get("bias")
@@ -1273,10 +1301,10 @@ def _norm_bwd_by_driver(op, d, kernels, inplace=False):
     target = None if inplace else st(dx)[None]
     if op == "rms_norm_bwd":
         kernels[op](st(dy)[None], st(x)[None], st(w), d["rstd"], target, parts[0],
-                    chunks, st(grads[0]))
+                    chunks, st(grads[0]), threads)
         return dx, grads[0]
     kernels[op](st(dy)[None], st(x)[None], st(w), d["mean"], d["rstd"], target,
-                parts[0], parts[1], chunks, st(grads[0]), st(grads[1]))
+                parts[0], parts[1], chunks, st(grads[0]), st(grads[1]), threads)
     return dx, grads[0], grads[1]
 
 
@@ -1291,7 +1319,7 @@ WIDE_BWD_CASES = ([(op, d, p) for d in DTYPES
 
 
 @pytest.mark.parametrize("shape", [(1, cpu.WIDE_COLS + 37), (5, 2 * cpu.WIDE_COLS + 3),
-                                   (2 * cpu.WIDE_ROWS - 1,
+                                   (2 * cpu.CHUNK_ROWS - 1,
                                     cpu.WIDE_COLS + 3 * cpu.WIDE_BLOCK + 1)])
 @pytest.mark.parametrize("op, dtype, params", WIDE_BWD_CASES,
                          ids=[f"{o}-{dtype_id(d)}-{p}" for o, d, p in WIDE_BWD_CASES])
@@ -1310,7 +1338,7 @@ def test_wide_bwd_bits_equal_row_path(rng, op, dtype, shape, params):
     else:
         _, mean, rstd = nf.layer_norm_fwd(x, w, b)
         d = dict(dy=dy, x=x, weight=w, bias=b, mean=mean, rstd=rstd)
-    assert rows <= cpu.WIDE_ROWS * 2 and cols >= cpu.WIDE_COLS
+    assert cpu.param_chunks(rows, cols) < 2 and cols >= cpu.WIDE_COLS
     row_path = _norm_bwd_by_driver(op, d, cpu.PARALLEL)
     all_params = (op, params) in (("layer_norm_bwd", "both"), ("rms_norm_bwd", "weight"))
     for inplace in (False, True) if all_params else (False,):
@@ -1329,7 +1357,7 @@ def test_long_rows_are_batch_invariant(rng, restore_threads, dtype, cols):
     """Long rows (around cpu.WIDE_COLS, whose sums go by blocks from there on):
     each backward row's dx has the bits of the row alone, batched (row path,
     pipelined), column-blocked and serial; the forwards' rows too."""
-    rows = 2 * cpu.WIDE_ROWS + 3           # more than WIDE_ROWS per thread at 2 threads
+    rows = 2 * cpu.CHUNK_ROWS + 3          # a dweight partial per thread at 2 threads
     x = draw(rng, (rows, cols), dtype, scale=2.0, loc=0.5)
     dy = draw(rng, (rows, cols), dtype)
     w = draw_param(rng, cols, "x", dtype)
@@ -1371,14 +1399,15 @@ def test_wide_fwd_bits_equal_row_path(rng, op, dtype, shape):
 
 def test_blocked_kernels_serve_few_long_rows(restore_threads):
     """The backend picks the column-blocked norms for a few long rows only: the
-    backwards at most cpu.WIDE_ROWS rows per thread from cpu.WIDE_COLS columns, the
+    backwards from cpu.WIDE_COLS columns on fewer dweight partials (rows //
+    cpu.CHUNK_ROWS) than threads, the
     forwards fewer rows than threads from cpu.WIDE_FWD_COLS columns; never softmax,
     whose forward takes cpu.LONG's kernels past cpu.PIPELINE_COLS columns."""
     if restore_threads < 2:
         pytest.skip("numba has fewer than 2 threads")
     numba.set_num_threads(2)
     x = lambda rows, cols: np.empty((1, rows, cols), np.float32)
-    most = 2 * cpu.WIDE_ROWS
+    most = 2 * cpu.CHUNK_ROWS - 1
     picks = {(op, rows, cols): cpu._parallel_kernel(op, x(rows, cols))
              for op in ("rms_norm_fwd", "layer_norm_fwd", "rms_norm_bwd", "layer_norm_bwd",
                         "softmax_fwd", "softmax_bwd")
