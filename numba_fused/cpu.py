@@ -137,7 +137,7 @@ _SERIAL_RATE = {"softmax_fwd": 2200, "softmax_bwd": 5000, "rms_norm_fwd": 7000,
 SERIAL_CAP = 1 << 20
 #: at most this many dweight/dbias partial rows, and at most _PARTIAL_ELEMS floats
 MAX_CHUNKS = 32
-_PARTIAL_ELEMS = 1 << 20
+_PARTIAL_ELEMS = 1 << 19
 #: and at least this many rows per partial row (see param_chunks)
 CHUNK_ROWS = 4
 
@@ -1931,7 +1931,11 @@ def param_chunks(rows, cols):
     (AMD EPYC, 2026-12-05, in-process A/B, from memory, 2 threads): 16x65536
     1.32-1.82x, 32x65536 1.04-1.31x, 64x16384 1.07-1.25x, 16x262144 (4 chunks
     either way) 1.01-1.05x; 8 rows gained ~10% more, but leaves fewer chunks,
-    hence threads, to few rows (16 rows: 2)."""
+    hence threads, to few rows (16 rows: 2). Likewise at most 2**19 partial
+    elements rather than 2**20 (rows of more than 16,384 columns get fewer
+    partials): 16x262144 1.14-1.21x, 32x131072 1.05-1.20x, 64x65536 1.06-1.23x;
+    2**18 gained more at 32-64 rows (1.10-1.38x) but left 16x262144 one partial
+    (column-blocked then: 0.83-1.07x)."""
     return max(1, min(rows // CHUNK_ROWS, MAX_CHUNKS, _PARTIAL_ELEMS // max(cols, 1)))
 
 
