@@ -111,7 +111,7 @@ def _wide_for_halves(typingctx, a):
 #: short rows (benchmarks/ab.py, 2026-12-03: 65536x32 softmax fwd float32
 #: 2.33 -> 1.61 ms, layer_norm bwd bfloat16 2.37 -> 1.30 ms; 4096 columns
 #: unchanged). numba inlines them before typing, so optional parameters go
-#: through the typed helpers below (_times, _plus, _add_into), never through
+#: through the typed helpers below (_times, _plus, _vadd_into), never through
 #: ``is not None`` branches, which inlined code cannot prune.
 _row = njit(nogil=True, error_model='numpy', inline='always')
 
@@ -214,29 +214,14 @@ def _centered_impl(v, mean):
     return lambda v, mean: v - mean
 
 
-def _add_into(total, c, v, first):
-    raise NotImplementedError
-
-
-@overload(_add_into)
-def _add_into_impl(total, c, v, first):
-    """total[c] = v on a chunk's first row, else total[c] += v; nothing for None."""
-    if isinstance(total, types.NoneType):
-        return lambda total, c, v, first: None
-
-    def impl(total, c, v, first):
-        total[c] = v if first else total[c] + v
-    return impl
-
-
 def _vadd_into(total, c, v, k, first):
     raise NotImplementedError
 
 
 @overload(_vadd_into)
 def _vadd_into_impl(total, c, v, k, first):
-    """The lanes form of ``_add_into``: total[c:c+k] = v on a chunk's first row,
-    else total[c:c+k] + v; nothing for None."""
+    """total[c:c+k] = v (lanes) on a chunk's first row, else total[c:c+k] + v;
+    nothing for None."""
     if isinstance(total, types.NoneType):
         return lambda total, c, v, k, first: None
 
@@ -931,15 +916,16 @@ def _layer_norm_bwd_row(dy, x, weight, mean, rstd, dx, dweight, dbias, first):
 
 @_row
 def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first):
-    """The store pass of ``_layer_norm_bwd_row``, given the row's sums. With mean
-    None, gmean 0 and dbias None it is RMSNorm's (its x - 0 would be exact)."""
-    _accumulate(dbias, dy, first)     # before dx: in place, dx overwrites dy
-    dx = _target(dx, dy)
-    for c in range(x.shape[0]):
-        d = widen(dy[c])
-        xhat = _centered(widen(x[c]), mean) * rstd
-        _add_into(dweight, c, d * xhat, first)
-        dx[c] = narrow(_norm_dx(_times(d, weight, c), xhat, rstd, dot, gmean), dx)
+    """The store pass of ``_layer_norm_bwd_row``, given the row's sums: the
+    pipelined stage's store (``_norm_bwd_store_at``, dx, dweight and dbias in one
+    loop of lanes). With mean None, gmean 0 and dbias None it is RMSNorm's (its
+    x - 0 would be exact). It replaced an element loop that LLVM vectorized, with
+    dbias in a loop of its own (as a third output there the bfloat16 backward ran
+    ~1.6x slower): the same bits, and on the AMD EPYC, 2026-12-05, from memory
+    bfloat16 1024-2048 columns 1.12-1.34x, float16 1.00-1.15x, float32 0.97-1.13x;
+    in cache 1.03-1.12x (small float32 calls 0.96-1.12x)."""
+    _norm_bwd_store_at(0, x.shape[0], _data(dy), _data(x), _data(weight), mean, rstd, dot,
+                       gmean, _data(_target(dx, dy)), _data(dweight), _data(dbias), first)
 
 
 @_row
@@ -1085,16 +1071,6 @@ def _stat_impl(x, stats, r):
     if isinstance(stats, types.NoneType):
         return lambda x, stats, r: None
     return lambda x, stats, r: acc(x, stats[r])
-
-
-@_row
-def _accumulate(total, dy, first):
-    """total += dy (= on a chunk's ``first`` row). A loop of its own: as a third
-    output of the LayerNorm store loop (beside dx and dweight) the bfloat16
-    backward ran ~1.6x slower (measured in cache: 1.0-1.1 vs 0.65-0.75 ns per
-    element; float16 and float32 were unaffected)."""
-    for c in range(dy.shape[0]):
-        _add_into(total, c, widen(dy[c]), first)     # a no-op for None
 
 
 # ------------------------------------------------------------------ drivers
@@ -1306,7 +1282,7 @@ def _pipeline_chunks(rows, threads):
 #: in float32/float64, from HALF_BWD_PIPELINE_COLS columns in float16/bfloat16
 #: (see _rows_pipelined)
 BWD_PIPELINE_BYTES = 1 << 14
-HALF_BWD_PIPELINE_COLS = 64
+HALF_BWD_PIPELINE_COLS = 1 << 12
 
 
 def _rows_pipelined(x):
@@ -1324,9 +1300,13 @@ def _rows_pipelined_impl(x):
     against pipelined): float32 1024 columns 1.06-1.10x, 1.23-1.37x where dx's
     rows lie 2**28 bytes from x's next ones (see ALIAS_SPAN), 1.07-1.11x from L3,
     even in L2; 8 KiB rows (float32 2048, float64 1024 columns) 0.91-1.01x, aliased
-    1.18-1.25x; 16 KiB rows 0.93-0.99x. bfloat16: 0.77-0.92x from 64 columns up
-    (arithmetic-bound: the pipeline overlaps it with memory), but at 16-32
-    columns (a masked block per row) the pipeline ran 0.71-0.79x."""
+    1.18-1.25x; 16 KiB rows 0.93-0.99x. bfloat16, once the row path stored in
+    lanes (``_layer_norm_bwd_store``): 1024-2048 columns from memory 1.06-1.59x
+    in the first runs, then over four runs at 65536x1024 0.92-1.36x (median
+    1.10), 8192x2048 rms_norm 1.14-1.22x but layer_norm 0.83-0.98x; 0.93-0.97x in
+    cache; 4096 columns 0.87-0.94x, 16384 0.94-0.99x, hence the floor at 4096 (it
+    was 64: with the element-loop store the row path ran 0.77-0.92x in cache from
+    64 columns up)."""
     if x.dtype in (types.float32, types.float64):
         floor = BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
     else:

@@ -1116,7 +1116,8 @@ def test_param_grads_bits_follow_the_documented_order(rng, restore_threads, op, 
     shape has cpu.PARALLEL_SUM_ELEMS partial elements or more: the parallel build
     sums them by column blocks); dx matches the reference and the in-place call
     bit for bit."""
-    assert cpu.HALF_BWD_PIPELINE_COLS <= 1024 < cpu.BWD_PIPELINE_BYTES // 8   # both paths
+    assert 1024 < cpu.HALF_BWD_PIPELINE_COLS <= 4096                       # both paths
+    assert 1024 * 8 < cpu.BWD_PIPELINE_BYTES <= 4096 * 4
     assert 4096 * 4 >= cpu.BWD_PIPELINE_BYTES
     rows = {1024: 133, 4096: 165}.get(cols, 101)   # 3-6 rows per chunk
     assert rows // cpu.param_chunks(rows, cols) >= 3
@@ -1199,7 +1200,7 @@ def test_pipelined_bwd_rows_are_batch_invariant(rng, op, dtype):
     """The pipelined norm backwards (4-5 rows per dweight chunk, so every chunk
     runs the stage; columns not a power of two, so 1/cols is inexact): each row's
     dx has the bits of the same row alone, serial and parallel, in place."""
-    cols = 1057 if is_half(dtype) else 4111
+    cols = 4111
     assert cols >= (cpu.HALF_BWD_PIPELINE_COLS if is_half(dtype)
                     else cpu.BWD_PIPELINE_BYTES // np.dtype(dtype).itemsize)
     ROWS = 130
@@ -1232,7 +1233,7 @@ def test_bwd_pipeline_across_chunks_bits_do_not_depend_on_threads(rng, op, param
     chunks of a thread (7 chunks of 4-5 rows here; without parameters a chunk per
     row): dx, dweight and dbias have the same bits whatever the grouping (1, 2, 3
     or 7 groups), and match the reference."""
-    rows, cols = 30, 4111 if dtype == F32 else 1057
+    rows, cols = 30, 4111
     assert cpu.param_chunks(rows, cols) == 7
     x, dy = draw(rng, (rows, cols), dtype), draw(rng, (rows, cols), dtype)
     w = draw_param(rng, cols, "x", dtype) if params else None
