@@ -961,7 +961,9 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
     1.01-1.42x, layer_norm bwd 0.87-1.12x; one thread in cache 0.93-1.05x in L2,
     1.19-1.40x from L3; 4096 columns 0.91-1.03x; float64 0.95-1.07x; bfloat16
     65536x1024 rms_norm 1.09-1.26x, layer_norm 1.20-1.35x; against the row path
-    (below the old pair floors) bfloat16 1.24-1.44x at 64-2048 columns.
+    (below the old pair floors) bfloat16 1.24-1.44x at 64-2048 columns in cache,
+    while that row path stored element by element (in lanes it has won below
+    4096 columns from memory since: see _rows_pipelined).
     """
     rows = x.shape[0] * x.shape[1]
     lo, hi = _chunk_rows(k0, rows, chunks)[0], _chunk_rows(k1 - 1, rows, chunks)[1]
