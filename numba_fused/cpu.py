@@ -1511,7 +1511,7 @@ def _wide_bwd_store(dy, x, weight, mean, rstd, dx, wparts, bparts, sums, b, chun
     rows, cols = x.shape[0] * x.shape[1], x.shape[2]
     c0, c1 = _wide_cols(b, cols)
     for k in range(chunks):
-        r0, r1 = k * rows // chunks, (k + 1) * rows // chunks
+        r0, r1 = _chunk_rows(k, rows, chunks)
         wp, bp = _row_of(wparts, k), _row_of(bparts, k)
         for r in range(r0, r1):
             dyr = _row_at(dy, r)
