@@ -40,6 +40,7 @@ import numpy as np
 from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+from numba.np.numpy_support import as_dtype
 from llvmlite import ir
 
 from . import _cache  # noqa: F401  (cache stamps: before any cached kernel)
@@ -522,8 +523,9 @@ def _softmax_fwd_row(x, y, scratch):
         y[c] = narrow(scratch[c] * inv, y)
 
 
-#: softmax forwards with at least this many rows and at most PIPELINE_COLS columns
-#: run pipelined (``_softmax_fwd_rows``); the norm forwards always are
+#: softmax forwards with at least this many rows and rows short enough not to go
+#: by blocks (``long_cols``) run pipelined (``_softmax_fwd_rows``); the norm
+#: forwards always are
 PIPELINE_ROWS = 64
 PIPELINE_COLS = 1 << 16
 
@@ -558,15 +560,66 @@ def _softmax_fwd_rows(x, y, lo, hi, sa, sb, spare):
         mb = ma
 
 
-#: softmax rows longer than PIPELINE_COLS run by blocks of this many columns
-#: (``_softmax_fwd_long_row``)
+#: softmax rows longer than ``long_cols`` run by blocks (``_softmax_fwd_long_row``)
+#: of ``long_block`` columns: float16/bfloat16 rows of more than PIPELINE_COLS
+#: columns by blocks of LONG_BLOCK, their exps in a float32 scratch row;
+#: float32/float64 rows of more than Y_EXPS_ROW_BYTES by blocks of Y_EXPS_BLOCK,
+#: their exps in y (``_exps_into``). Why float32/float64 from 4 KiB: the pipelined
+#: stage has five rows in flight (x from memory, x and the exps to read again, the
+#: exps and y to write), 20 KiB at 4 KiB rows; past the 32 KiB L1 they came from
+#: the L2 and the forward cost 1.5x per element from 2,048 float32 columns (one
+#: thread, from memory). By blocks, a block of x is read into the L1 for its max
+#: and read there again for its exps. ab.py --evict 64, 2026-12-06, AMD EPYC:
+#: float32 4096x4096 1.29-1.37x, 8192x2048 1.36x, 256x65536 1.20x; float64
+#: 16384x1024 1.27-1.32x, 4096x4096 1.15-1.21x. Blocks of 512: float32 1.35x at
+#: 4096x4096 against 1.21x by blocks of 8192; the half types lost 0.79-0.98x by
+#: blocks at 1,024-16,384 columns (their exps go to scratch and their time to
+#: the exp) and 0.96-1.0x by smaller blocks on long rows.
 LONG_BLOCK = 1 << 13
+Y_EXPS_ROW_BYTES = 1 << 12
+Y_EXPS_BLOCK = 1 << 9
+
+
+def long_cols(dtype):
+    """Softmax rows of more columns than this go by blocks (see LONG_BLOCK); dtype:
+    the storage dtype (uint16 for float16/bfloat16)."""
+    dtype = np.dtype(dtype)
+    if dtype in (np.float32, np.float64):
+        return Y_EXPS_ROW_BYTES // dtype.itemsize
+    return PIPELINE_COLS
+
+
+def long_block(dtype):
+    """Columns per block of a long softmax row (see LONG_BLOCK)."""
+    return Y_EXPS_BLOCK if np.dtype(dtype) in (np.float32, np.float64) else LONG_BLOCK
+
+
+def _long_cols(x):
+    """``long_cols`` of x's storage type, in jitted code."""
+    raise NotImplementedError
+
+
+@overload(_long_cols)
+def _long_cols_impl(x):
+    n = long_cols(as_dtype(x.dtype))
+    return lambda x: n
+
+
+def _long_block(x):
+    """``long_block`` of x's storage type, in jitted code."""
+    raise NotImplementedError
+
+
+@overload(_long_block)
+def _long_block_impl(x):
+    n = long_block(as_dtype(x.dtype))
+    return lambda x: n
 
 
 @_row
 def _softmax_fwd_long_row(x, y, scratch, bmax, bsum):
-    """y = softmax(x) for a row of more than PIPELINE_COLS columns, by blocks of
-    LONG_BLOCK: block j's exps e = exp(x - m_j) about its own max m_j, and their
+    """y = softmax(x) for a row of more than ``long_cols`` columns, by blocks of
+    B = ``long_block`` columns: block j's exps e = exp(x - m_j) about its own max m_j, and their
     sum s_j, go into ``scratch`` while the next block's max is taken (x is read from
     memory once, the exps while the block is in L1); then
     y = e * exp(m_j - M) / S with M = max(m_j), S = sum(s_j * exp(m_j - M)).
@@ -579,14 +632,14 @@ def _softmax_fwd_long_row(x, y, scratch, bmax, bsum):
     (the factor) than ``_softmax_fwd_row``'s. A block of -inf only (masking) has
     e = 0 and factor 0; NaN and +inf give NaN rows, and a row of -inf only NaN,
     as ``_softmax_fwd_row``."""
-    n = x.shape[0]
-    blocks = (n + LONG_BLOCK - 1) // LONG_BLOCK
-    mx = _max(x[:LONG_BLOCK])
+    n, B = x.shape[0], _long_block(x)
+    blocks = (n + B - 1) // B
+    mx = _max(x[:B])
     for j in range(blocks):
-        mx = _long_block_exps(x, scratch, bmax, bsum, j, mx, min(n, (j + 2) * LONG_BLOCK))
+        mx = _long_block_exps(x, scratch, bmax, bsum, j, mx, min(n, (j + 2) * B))
     _long_factors(x, bmax, bsum)
     for j in range(blocks):
-        _scaled_store(scratch, bsum[j], y, j * LONG_BLOCK, min(n, (j + 1) * LONG_BLOCK))
+        _scaled_store(scratch, bsum[j], y, j * B, min(n, (j + 1) * B))
 
 
 @_row
@@ -594,10 +647,11 @@ def _long_block_exps(x, scratch, bmax, bsum, j, mx, d1):
     """Block j of a long row (``_softmax_fwd_long_row``), whose max is mx: records
     it in bmax[j], stores the block's exps about it into scratch and their sum in
     bsum[j]; returns the max of x[end of block j:d1] (the next block, or nothing)."""
-    c0 = j * LONG_BLOCK
+    c0 = j * _long_block(x)
     bmax[j] = mx
     m = acc(x, 0.0) if mx == -np.inf else mx   # exp(-inf - 0) = 0: e = 0, not NaN
-    bsum[j], mx = _softmax_long_stage(x, m, scratch, c0, min(x.shape[0], c0 + LONG_BLOCK), d1)
+    bsum[j], mx = _softmax_long_stage(x, m, scratch, c0, min(x.shape[0], c0 + _long_block(x)),
+                                      d1)
     return mx
 
 
@@ -1730,7 +1784,7 @@ _BLOCKED_WHEN = dict(rms_norm_fwd=_wide_fwd, layer_norm_fwd=_wide_fwd,
 
 
 def _build_long(loop):
-    """The softmax forward on rows of more than PIPELINE_COLS columns
+    """The softmax forward on rows of more than ``long_cols`` columns
     (``_softmax_fwd_long_row``), parallel (prange) or serial: kernels of their
     own, with the drivers' arguments, for the reason of the column-blocked norms
     (inside the softmax drivers this path cost every signature 1.3 s of parallel
@@ -1741,7 +1795,7 @@ def _build_long(loop):
     @njit(parallel=parallel, cache=True, nogil=True, error_model='numpy')
     def softmax_fwd_long(x, y, threads):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
-        blocks = (cols + LONG_BLOCK - 1) // LONG_BLOCK
+        blocks = (cols + _long_block(x) - 1) // _long_block(x)
         chunks = _thread_chunks(rows, threads, parallel)   # one scratch row per thread
         for k in loop(chunks):
             _wide_vectors()
@@ -1759,8 +1813,8 @@ def softmax_fwd_long_blocked(x, y, threads):
     a range of the (row, block) pieces, first their exps and sums, then (each row's
     factors from them) their stores; the bits of ``_softmax_fwd_long_row``, whose
     steps it runs. Exps go to y as there, or to a scratch of every row."""
-    rows, cols = x.shape[0] * x.shape[1], x.shape[2]
-    blocks = (cols + LONG_BLOCK - 1) // LONG_BLOCK
+    rows, cols, B = x.shape[0] * x.shape[1], x.shape[2], _long_block(x)
+    blocks = (cols + B - 1) // B
     pieces = rows * blocks
     chunks = max(1, min(threads, pieces))
     bmax, bsum = _acc_empty(x, pieces), _acc_empty(x, pieces)
@@ -1773,12 +1827,12 @@ def softmax_fwd_long_blocked(x, y, threads):
             r, j = p // blocks, p % blocks
             xr = _row_at(x, r)
             if p == lo or j == 0:
-                mx = _max(xr[j * LONG_BLOCK:min(cols, (j + 1) * LONG_BLOCK)])
+                mx = _max(xr[j * B:min(cols, (j + 1) * B)])
             more = p + 1 < hi and j + 1 < blocks        # the next block is this chunk's
             mx = _long_block_exps(xr, _exps_into(_row_at(y, r), scratch[r * cols:(r + 1) * cols]),
                                   bmax[r * blocks:(r + 1) * blocks],
                                   bsum[r * blocks:(r + 1) * blocks], j, mx,
-                                  min(cols, (j + 2 if more else j + 1) * LONG_BLOCK))
+                                  min(cols, (j + 2 if more else j + 1) * B))
     for r in range(rows):
         _long_factors(x, bmax[r * blocks:(r + 1) * blocks], bsum[r * blocks:(r + 1) * blocks])
     for k in prange(chunks):
@@ -1787,7 +1841,7 @@ def softmax_fwd_long_blocked(x, y, threads):
             r, j = p // blocks, p % blocks
             yr = _row_at(y, r)
             _scaled_store(_exps_into(yr, scratch[r * cols:(r + 1) * cols]), bsum[p], yr,
-                          j * LONG_BLOCK, min(cols, (j + 1) * LONG_BLOCK))
+                          j * B, min(cols, (j + 1) * B))
 
 
 #: the long-row softmax forwards, by build; "blocked" for fewer rows than threads
@@ -1796,19 +1850,18 @@ LONG = dict(parallel=_build_long(prange), serial=_build_long(range),
 
 
 def _long(name, x):
-    return name == "softmax_fwd" and x.shape[2] > PIPELINE_COLS
+    return name == "softmax_fwd" and x.shape[2] > long_cols(x.dtype)
 
 
 def _parallel_kernel(name, x):
     """PARALLEL[name], or BLOCKED[name] for a norm call on a few long rows, or
     LONG's for a softmax forward on long rows (by pieces for fewer rows than
     threads: the same bits)."""
-    if x.shape[2] >= WIDE_COLS:
-        if _long(name, x):
-            return LONG["blocked" if x.shape[0] * x.shape[1] < _thread_count() else "parallel"]
-        if name in BLOCKED and _BLOCKED_WHEN[name](x.shape[0] * x.shape[1], x.shape[2],
-                                                   _thread_count()):
-            return BLOCKED[name]
+    if _long(name, x):
+        return LONG["blocked" if x.shape[0] * x.shape[1] < _thread_count() else "parallel"]
+    if x.shape[2] >= WIDE_COLS and name in BLOCKED and _BLOCKED_WHEN[name](
+            x.shape[0] * x.shape[1], x.shape[2], _thread_count()):
+        return BLOCKED[name]
     return PARALLEL[name]
 
 
@@ -1940,6 +1993,7 @@ _param_chunks = njit(cache=True)(param_chunks)
 # otherwise (``_dispatch._SmallCall``).
 _small = njit(cache=True, nogil=True, error_model='numpy')
 _serial_softmax_fwd = SERIAL["softmax_fwd"]
+_serial_softmax_fwd_long = LONG["serial"]
 _serial_softmax_bwd = SERIAL["softmax_bwd"]
 _serial_rms_norm_fwd = SERIAL["rms_norm_fwd"]
 _serial_rms_norm_bwd = SERIAL["rms_norm_bwd"]
@@ -2011,7 +2065,10 @@ def _eps_ok(eps):
 def small_softmax_fwd(x, y):
     rows, cols = x.shape
     _require(rows * cols > 0)
-    _serial_softmax_fwd(_rows3(x), _rows3(y), 1)
+    if cols > _long_cols(x):       # the path depends on the columns alone (long_cols)
+        _serial_softmax_fwd_long(_rows3(x), _rows3(y), 1)
+    else:
+        _serial_softmax_fwd(_rows3(x), _rows3(y), 1)
 
 
 @_small
@@ -2157,10 +2214,11 @@ def _run_threaded(name, x, *args, y=None):
     the thread count last: one chunk per thread (the bits do not depend on it), or
     for a norm forward given its output ``y``, one per row where ``_norm_fwd_threads``
     finds y's address aliasing x's."""
+    plain = x.shape[2] < WIDE_COLS and not _long(name, x)
     if x.size < _serial_below[name]:
-        return (SERIAL[name] if x.shape[2] < WIDE_COLS else _serial_kernel(name, x))(*args, 1)
+        return (SERIAL[name] if plain else _serial_kernel(name, x))(*args, 1)
     threads = _thread_count() if y is None else _norm_fwd_threads(x, y, _thread_count())
-    if not _needs_lock and x.shape[2] < WIDE_COLS:   # _run's common case, one call less
+    if not _needs_lock and plain:   # _run's common case, one call less
         return PARALLEL[name](*args, threads)
     return _run(name, name, x, *args, threads)
 
@@ -2227,7 +2285,7 @@ def warmup(dtypes=None, verbose=False):
     Returns {"dtype/param-dtype/build": seconds}."""
     import numba_fused as nf
     from . import _dtypes as D
-    builds = (("serial", (1, 8)), ("parallel", (64, SERIAL_BELOW // 64 + 1)),
+    builds = (("serial", (1, 8)), ("parallel", (128, SERIAL_BELOW // 128 + 1)),
               ("blocked", (1, WIDE_FWD_COLS)))     # one long row: column-blocked norms,
     #                                                 long-row softmax forwards
     timings = {}

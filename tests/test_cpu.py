@@ -672,7 +672,7 @@ def _fwd_by_driver(op, d, threads, kernels=cpu.PARALLEL):
 
 
 @pytest.mark.parametrize("rows", [cpu.PIPELINE_ROWS, cpu.PIPELINE_ROWS + 1, 97, 130])
-@pytest.mark.parametrize("cols", [1, 33, 1000])
+@pytest.mark.parametrize("cols", [1, 33, 500])     # 500: float64 rows below long_cols
 @dtypes
 def test_softmax_fwd_pipelined(rng, restore_threads, dtype, rows, cols):
     """The pipelined forward (rows >= PIPELINE_ROWS): special rows at the first,
@@ -713,16 +713,24 @@ def test_softmax_fwd_pipelined(rng, restore_threads, dtype, rows, cols):
     assert_bits_equal(nf.softmax_fwd(x[perm]), y[perm], "rows permuted")
 
 
-@pytest.mark.parametrize("cols", [cpu.PIPELINE_COLS + 1, cpu.PIPELINE_COLS + 3 * cpu.LONG_BLOCK + 5])
+def _storage(dtype):
+    from numba_fused import _dtypes as D
+    D.load_bfloat16()
+    return D.to_storage(np.empty(0, dtype)).dtype
+
+
+@pytest.mark.parametrize("blocks", [0, 3], ids=["first", "more"])
 @dtypes
-def test_softmax_fwd_long_rows(rng, restore_threads, dtype, cols):
-    """Rows longer than PIPELINE_COLS go by blocks of LONG_BLOCK with a max per
+def test_softmax_fwd_long_rows(rng, restore_threads, dtype, blocks):
+    """Rows longer than cpu.long_cols (PIPELINE_COLS columns in float16/bfloat16,
+    4 KiB in float32/float64) go by blocks of cpu.long_block with a max per
     block: whole blocks of -inf (the first, one inside, the partial last) give
     exact zeros beside finite values, special rows keep the documented results,
     rows of huge values do not overflow, every row matches the reference, and a
-    row's bits are the same alone, batched, serial, parallel and on any thread
-    count."""
-    B = cpu.LONG_BLOCK
+    row's bits are the same alone (the small-call entry), batched, serial,
+    parallel and on any thread count."""
+    B = cpu.long_block(_storage(dtype))
+    cols = max(cpu.long_cols(_storage(dtype)) + 1, 3 * B + 1) + blocks * B + 4 * bool(blocks)
     x = draw(rng, (8, cols), dtype, scale=2.0)
     x[0, :B] = -np.inf                     # the first block: its max is -inf
     x[0, 2 * B:3 * B] = -np.inf
@@ -1406,7 +1414,7 @@ def test_blocked_kernels_serve_few_long_rows(restore_threads):
     if restore_threads < 2:
         pytest.skip("numba has fewer than 2 threads")
     numba.set_num_threads(2)
-    x = lambda rows, cols: np.empty((1, rows, cols), np.float32)
+    x = lambda rows, cols: np.empty((1, rows, cols), np.uint16)     # bfloat16 bits
     most = 2 * cpu.CHUNK_ROWS - 1
     picks = {(op, rows, cols): cpu._parallel_kernel(op, x(rows, cols))
              for op in ("rms_norm_fwd", "layer_norm_fwd", "rms_norm_bwd", "layer_norm_bwd",
@@ -1425,6 +1433,39 @@ def test_blocked_kernels_serve_few_long_rows(restore_threads):
                        for rows, cols in ((1, cpu.WIDE_COLS), (most, cpu.WIDE_COLS),
                                           (1, cpu.WIDE_FWD_COLS), (2, cpu.WIDE_FWD_COLS))} | {
         (op, 1, cpu.WIDE_FWD_COLS) for op in ("rms_norm_fwd", "layer_norm_fwd")}
+
+
+@dtypes
+def test_softmax_fwd_by_blocks_past_long_cols(rng, dtype, restore_threads):
+    """Which softmax forward serves which rows: past cpu.long_cols columns (rows of
+    4 KiB in float32/float64, PIPELINE_COLS columns in the half types) cpu.LONG's
+    kernels (serial, parallel, by pieces, and in the small-call entry), up to it
+    the drivers. So a row's path depends on its columns alone: a float32/float64
+    row has the same bits alone (small-call entry), in 3 rows (serial) and in 130
+    (parallel) on both sides of the threshold, and different bits across it."""
+    st = _storage(dtype)
+    n = cpu.long_cols(st)
+    assert n == {F32: 1024, F64: 512}.get(dtype, cpu.PIPELINE_COLS)
+    threads = min(2, restore_threads)
+    numba.set_num_threads(threads)
+    x = lambda rows, cols: np.empty((1, rows, cols), st)
+    for cols, long in ((n, False), (n + 1, True)):
+        assert (cpu._serial_kernel("softmax_fwd", x(3, cols)) is cpu.LONG["serial"]) == long
+        assert (cpu._parallel_kernel("softmax_fwd", x(64, cols)) is cpu.LONG["parallel"]) == long
+        if threads == 2:
+            assert (cpu._parallel_kernel("softmax_fwd", x(1, cols))
+                    is cpu.LONG["blocked"]) == long
+    if dtype not in (F32, F64):
+        return
+    rows = draw(rng, (130, n + 1), dtype, scale=4.0)
+    for cols in (n, n + 1):
+        batch = np.ascontiguousarray(rows[:, :cols])
+        y = nf.softmax_fwd(batch)
+        assert_bits_equal(nf.softmax_fwd(batch[:3]), y[:3], f"{cols} columns, 3 rows")
+        assert_bits_equal(nf.softmax_fwd(batch[2:3]), y[2:3], f"{cols} columns, 1 row")
+        assert_close(y, ref.softmax_fwd(batch), what="y")
+    pipelined = _fwd_by_driver("softmax_fwd", dict(x=rows), 2)[0]     # n + 1 columns
+    assert not np.array_equal(pipelined, nf.softmax_fwd(rows)), "not the long-row path"
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
