@@ -22,7 +22,10 @@ build (prange over rows) and a serial one for small calls, where a parallel
 launch costs more than the work. Rows run software-pipelined (``_softmax_fwd_rows``,
 ``_softmax_bwd_rows``, the norms' ``*_fwd_rows`` and ``_norm_bwd_rows``), one chunk of
 rows per thread: one pass over the columns takes the next row's sums while it
-stores the current row, so memory and compute overlap.
+stores the current row, so memory and compute overlap. Where that measured slower
+(on the AMD EPYC, float32/float64 backwards on rows under 16 KiB), a row takes its
+two passes in turn; the softmax forward goes by blocks on long rows
+(``_softmax_fwd_long_row``; from 4 KiB rows in float32/float64).
 
 dweight/dbias: rows are split into a fixed number of chunks that depends only on
 (rows, cols), each chunk accumulates its own partial row in the accumulator type,
@@ -687,18 +690,52 @@ def _softmax_bwd_dot(y, dy):
 
 @_row
 def _softmax_bwd_store(y, dy, dot, dx):
-    """dx = y * (dy - dot); dx None: written into dy."""
-    dx = _target(dx, dy)
-    for c in range(y.shape[0]):
-        dx[c] = narrow(widen(y[c]) * (widen(dy[c]) - dot), dx)
+    """dx = y * (dy - dot), in the stage's lanes; dx None: written into dy."""
+    _softmax_bwd_store_at(y.shape[0], _data(y), _data(dy), dot, _data(_target(dx, dy)))
+
+
+@_lanes_fn
+def _softmax_bwd_store_at(n, y, dy, dot, dx):
+    """``_softmax_bwd_store`` on data pointers (see ``_lanes_fn``); dx may be dy."""
+    step = lanes_count(lanes_zeros(y))
+    for c in range(0, n - step + 1, step):
+        _softmax_bwd_block(y, dy, dot, dx, c, step)
+    if n % step:
+        _softmax_bwd_block(y, dy, dot, dx, n - n % step, n % step)
+
+
+def _softmax_bwd_pipelined(y):
+    raise NotImplementedError
+
+
+@overload(_softmax_bwd_pipelined)
+def _softmax_bwd_pipelined_impl(y):
+    """Whether a softmax backward runs its rows pipelined: float32/float64 rows of
+    BWD_PIPELINE_BYTES or more (as the norm backwards, ``_rows_pipelined``), and
+    every float16/bfloat16 row; other rows take their two passes in turn. Row path
+    against pipelined, ab.py, AMD EPYC, 2026-12-06, float32 from memory: 256-2048
+    columns 1.06-1.20x (65536x1024 1.12x), 4096 columns 0.95-1.01x, 16384 0.98x;
+    in cache 1.04-1.15x. bfloat16: 1.02-1.15x from memory but 0.90-0.98x in cache,
+    so not there."""
+    if y.dtype in (types.float32, types.float64):
+        floor = BWD_PIPELINE_BYTES // (y.dtype.bitwidth // 8)
+        return lambda y: y.shape[2] >= floor
+    return lambda y: True
 
 
 @_row
 def _softmax_bwd_rows(y, dy, dx, lo, hi):
-    """dx = y * (dy - sum(dy * y)) for rows lo..hi-1, software-pipelined as the
-    norm forwards: one pass stores row r (in cache) and takes the sum of row r + 1
+    """dx = y * (dy - sum(dy * y)) for rows lo..hi-1: each row's sum, then its
+    store (``_softmax_bwd_pipelined`` false), or software-pipelined as the norm
+    forwards: one pass stores row r (in cache) and takes the sum of row r + 1
     (from memory); row lo's sum and row hi-1's store are passes of their own, with
-    the stage's lanes and operations (a row's bits do not depend on lo and hi)."""
+    the stage's lanes and operations (a row's bits do not depend on lo and hi, nor
+    on the path)."""
+    if not _softmax_bwd_pipelined(y):
+        for r in range(lo, hi):
+            yr, dyr = _row_at(y, r), _row_at(dy, r)
+            _softmax_bwd_store(yr, dyr, _softmax_bwd_dot(yr, dyr), _row_at(dx, r))
+        return
     dot = _softmax_bwd_dot(_row_at(y, lo), _row_at(dy, lo))
     for r in range(lo, hi - 1):
         dyc = _row_at(dy, r)

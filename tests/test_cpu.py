@@ -816,14 +816,21 @@ def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
 
 
 @pytest.mark.parametrize("rows", [4, 13, 97])
-@pytest.mark.parametrize("cols", [1, 33, 1000])
+@pytest.mark.parametrize("cols", [1, 33, 1000, 4111])
 @dtypes
 def test_softmax_bwd_pipelined(rng, restore_threads, dtype, rows, cols):
-    """The pipelined softmax backward (one chunk per thread, chunks of one row
-    included): NaN rows at the first, last and chunk-boundary positions stay in
-    their rows; bits independent of position, chunking and thread count, and the
-    same in place; the other rows match the reference."""
+    """The softmax backward on both its paths (cpu._softmax_bwd_pipelined: rows in
+    turn for float32/float64 rows under cpu.BWD_PIPELINE_BYTES, else pipelined, one
+    chunk per thread, chunks of one row included): NaN rows at the first, last and
+    chunk-boundary positions stay in their rows; bits independent of position,
+    chunking and thread count, and the same in place; the other rows match the
+    reference."""
     from numba_fused import _dtypes as D
+    pipelined = numba.njit(lambda a: cpu._softmax_bwd_pipelined(a))
+    storage = D.to_storage(np.empty((1, 1, cols), dtype))
+    rule = is_half(dtype) or cols * np.dtype(dtype).itemsize >= cpu.BWD_PIPELINE_BYTES
+    assert pipelined(storage) == rule
+    assert cpu.BWD_PIPELINE_BYTES == 1 << 14         # 1000 and 4111 columns straddle it
     y = nf.softmax_fwd(draw(rng, (rows, cols), dtype, scale=2.0))
     dy = draw(rng, (rows, cols), dtype)
     nan_rows = _chunk_edges(rows, lambda t: min(rows, t))[::2]
