@@ -600,26 +600,21 @@ def long_block(dtype):
     return Y_EXPS_BLOCK if np.dtype(dtype) in (np.float32, np.float64) else LONG_BLOCK
 
 
-def _long_cols(x):
-    """``long_cols`` of x's storage type, in jitted code."""
-    raise NotImplementedError
+def _of_storage(of_dtype):
+    """f(x) = of_dtype(x's storage dtype), a compile-time constant in jitted code."""
+    def f(x):
+        raise NotImplementedError
+    f.__doc__ = f"``{of_dtype.__name__}`` of x's storage type, in jitted code."
+
+    @overload(f)
+    def impl(x):
+        n = of_dtype(as_dtype(x.dtype))
+        return lambda x: n
+    return f
 
 
-@overload(_long_cols)
-def _long_cols_impl(x):
-    n = long_cols(as_dtype(x.dtype))
-    return lambda x: n
-
-
-def _long_block(x):
-    """``long_block`` of x's storage type, in jitted code."""
-    raise NotImplementedError
-
-
-@overload(_long_block)
-def _long_block_impl(x):
-    n = long_block(as_dtype(x.dtype))
-    return lambda x: n
+_long_cols = _of_storage(long_cols)
+_long_block = _of_storage(long_block)
 
 
 @_row
