@@ -572,7 +572,7 @@ def _softmax_fwd_rows(x, y, lo, hi, sa, sb, spare):
 #: exps and y to write), 20 KiB at 4 KiB rows; past the 32 KiB L1 they came from
 #: the L2 and the forward cost 1.5x per element from 2,048 float32 columns (one
 #: thread, from memory). By blocks, a block of x is read into the L1 for its max
-#: and read there again for its exps. ab.py --evict 64, 2026-12-06, AMD EPYC:
+#: and read there again for its exps. ab.py --evict 64, 2026-12-05, AMD EPYC:
 #: float32 4096x4096 1.29-1.37x, 8192x2048 1.36x, 256x65536 1.20x; float64
 #: 16384x1024 1.27-1.32x, 4096x4096 1.15-1.21x. Blocks of 512: float32 1.35x at
 #: 4096x4096 against 1.21x by blocks of 8192; the half types lost 0.79-0.98x by
@@ -711,7 +711,7 @@ def _softmax_bwd_pipelined_impl(y):
     """Whether a softmax backward runs its rows pipelined: float32/float64 rows of
     BWD_PIPELINE_BYTES or more (as the norm backwards, ``_rows_pipelined``), and
     every float16/bfloat16 row; other rows take their two passes in turn. Row path
-    against pipelined, ab.py, AMD EPYC, 2026-12-06, float32 from memory: 256-2048
+    against pipelined, ab.py, AMD EPYC, 2026-12-05, float32 from memory: 256-2048
     columns 1.06-1.20x (65536x1024 1.12x), 4096 columns 0.95-1.01x, 16384 0.98x;
     in cache 1.04-1.15x. bfloat16: 1.02-1.15x from memory but 0.90-0.98x in cache,
     so not there."""
