@@ -620,9 +620,9 @@ _long_block = _of_storage(long_block)
 @_row
 def _softmax_fwd_long_row(x, y, scratch, bmax, bsum):
     """y = softmax(x) for a row of more than ``long_cols`` columns, by blocks of
-    B = ``long_block`` columns: block j's exps e = exp(x - m_j) about its own max m_j, and their
-    sum s_j, go into ``scratch`` while the next block's max is taken (x is read from
-    memory once, the exps while the block is in L1); then
+    B = ``long_block`` columns: block j's exps e = exp(x - m_j) about its own max
+    m_j, and their sum s_j, go into ``scratch`` while the next block's max is taken
+    (x is read from memory once, the exps while the block is in L1); then
     y = e * exp(m_j - M) / S with M = max(m_j), S = sum(s_j * exp(m_j - M)).
 
     Why: a row past the L2 holds x and the exps' scratch in two MiB for the plain
@@ -712,9 +712,9 @@ def _softmax_bwd_pipelined_impl(y):
     BWD_PIPELINE_BYTES or more (as the norm backwards, ``_rows_pipelined``), and
     every float16/bfloat16 row; other rows take their two passes in turn. Row path
     against pipelined, ab.py, AMD EPYC, 2026-12-05, float32 from memory: 256-2048
-    columns 1.06-1.20x (65536x1024 1.12x), 4096 columns 0.95-1.01x, 16384 0.98x;
-    in cache 1.04-1.15x. bfloat16: 1.02-1.15x from memory but 0.90-0.98x in cache,
-    so not there."""
+    columns 1.04-1.31x (65536x1024 1.08-1.12x), 4096 columns 0.95-1.01x, 16384
+    0.98x; in cache 1.04-1.23x. bfloat16: 1.02-1.15x from memory but 0.90-0.98x in
+    cache, so not there."""
     if y.dtype in (types.float32, types.float64):
         floor = BWD_PIPELINE_BYTES // (y.dtype.bitwidth // 8)
         return lambda y: y.shape[2] >= floor
