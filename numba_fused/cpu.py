@@ -648,11 +648,10 @@ def _long_block_exps(x, scratch, bmax, bsum, j, mx, d1):
     """Block j of a long row (``_softmax_fwd_long_row``), whose max is mx: records
     it in bmax[j], stores the block's exps about it into scratch and their sum in
     bsum[j]; returns the max of x[end of block j:d1] (the next block, or nothing)."""
-    c0 = j * _long_block(x)
+    B = _long_block(x)
     bmax[j] = mx
     m = acc(x, 0.0) if mx == -np.inf else mx   # exp(-inf - 0) = 0: e = 0, not NaN
-    bsum[j], mx = _softmax_long_stage(x, m, scratch, c0, min(x.shape[0], c0 + _long_block(x)),
-                                      d1)
+    bsum[j], mx = _softmax_long_stage(x, m, scratch, j * B, min(x.shape[0], (j + 1) * B), d1)
     return mx
 
 
@@ -716,8 +715,7 @@ def _softmax_bwd_pipelined_impl(y):
     0.98x; in cache 1.04-1.23x. bfloat16: 1.02-1.15x from memory but 0.90-0.98x in
     cache, so not there."""
     if y.dtype in (types.float32, types.float64):
-        floor = BWD_PIPELINE_BYTES // (y.dtype.bitwidth // 8)
-        return lambda y: y.shape[2] >= floor
+        return lambda y: _rows_pipelined(y)
     return lambda y: True
 
 

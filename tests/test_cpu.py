@@ -827,7 +827,7 @@ def test_softmax_bwd_pipelined(rng, restore_threads, dtype, rows, cols):
     reference."""
     from numba_fused import _dtypes as D
     pipelined = numba.njit(lambda a: cpu._softmax_bwd_pipelined(a))
-    storage = D.to_storage(np.empty((1, 1, cols), dtype))
+    storage = np.empty((1, 1, cols), _storage(dtype))
     rule = is_half(dtype) or cols * np.dtype(dtype).itemsize >= cpu.BWD_PIPELINE_BYTES
     assert pipelined(storage) == rule
     assert cpu.BWD_PIPELINE_BYTES == 1 << 14         # 1000 and 4111 columns straddle it
