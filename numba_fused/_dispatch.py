@@ -16,7 +16,7 @@ import numbers
 
 import numpy as np
 
-from . import _dtypes as D
+from . import _alloc, _dtypes as D
 
 _DTYPE_NAMES = "float32, float64, float16 or bfloat16"
 
@@ -405,6 +405,12 @@ def _fresh_or(out, x):
     return np.empty_like(x) if out is None else out
 
 
+def _placed_or(out, like, *inputs):
+    """``out``, or a fresh array like ``like`` placed where the kernel's stores into
+    it do not alias its loads from ``inputs`` (``_alloc``)."""
+    return _alloc.place(np.empty_like(like), like, inputs) if out is None else out
+
+
 def _host_in_place(dx, dy, dyv):
     """dx's rows view: dy's own view object ``dyv`` when dx is dy, the backend's
     in-place contract (its store loop then goes through one pointer)."""
@@ -504,7 +510,7 @@ def softmax_fwd(x, *, out=None, dtype=None, stream=None):
             if _small_softmax_fwd.run(x, (x, y)):
                 return y
         if _host_ok(x):
-            y = _fresh_or(out, x)
+            y = _placed_or(out, x, x)
             HOST.kernels.softmax_fwd(_host_rows(x), _host_rows(y))
             return y
     if _replay is not None and type(x) is not _NDARRAY:
@@ -532,7 +538,7 @@ def softmax_bwd(y, dy, *, out=None, dtype=None, stream=None):
             if _small_softmax_bwd.run(y, (y, dy, _small_target(dx, dy))):
                 return dx
         if _host_ok(y, (dy,)):
-            dx = _fresh_or(out, y)
+            dx = _placed_or(out, y, y, dy)
             dyv = _host_rows(dy)
             HOST.kernels.softmax_bwd(_host_rows(y), dyv, _host_in_place(dx, dy, dyv))
             return dx
@@ -567,7 +573,7 @@ def rms_norm_fwd(x, weight=None, eps=1e-6, *, out=None, dtype=None, stream=None)
             if _small_rms_norm_fwd.run(x, (x, weight, eps, y, rstd)):
                 return y, rstd
         if _host_ok(x, (), (weight,)) and _fast_eps(eps):
-            y = _fresh_or(out, x)
+            y = _placed_or(out, x, x)
             rstd = np.empty(x.shape[:-1], _HOST_ACC[x.dtype])
             HOST.kernels.rms_norm_fwd(_host_rows(x), _host_storage(weight), eps,
                                       _host_rows(y), _host_stats(rstd))
@@ -605,7 +611,7 @@ def rms_norm_bwd(dy, x, weight, rstd, *, out=None, dtype=None, stream=None):
                                            dweight)):
                 return dx, dweight
         if _host_ok(x, (dy,), (weight,), (rstd,)):
-            dx = _fresh_or(out, x)
+            dx = _placed_or(out, x, dy, x)
             dweight = _host_empty(weight)
             dyv = _host_rows(dy)
             HOST.kernels.rms_norm_bwd(dyv, _host_rows(x), _host_storage(weight),
@@ -656,7 +662,7 @@ def layer_norm_fwd(x, weight=None, bias=None, eps=1e-5, *, out=None, dtype=None,
             if _small_layer_norm_fwd.run(x, (x, weight, bias, eps, y, mean, rstd)):
                 return y, mean, rstd
         if _host_ok(x, (), (weight, bias)) and _fast_eps(eps):
-            y = _fresh_or(out, x)
+            y = _placed_or(out, x, x)
             mean = np.empty(x.shape[:-1], _HOST_ACC[x.dtype])
             rstd = np.empty(x.shape[:-1], mean.dtype)
             HOST.kernels.layer_norm_fwd(_host_rows(x), _host_storage(weight),
@@ -705,7 +711,7 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, *, out=None, dtype=None,
                                              _small_target(dx, dy), dweight, dbias)):
                 return dx, dweight, dbias
         if _host_ok(x, (dy,), (weight, bias), (mean, rstd)):
-            dx = _fresh_or(out, x)
+            dx = _placed_or(out, x, dy, x)
             dweight, dbias = _host_empty(weight), _host_empty(bias)
             dyv = _host_rows(dy)
             HOST.kernels.layer_norm_bwd(dyv, _host_rows(x),

@@ -37,7 +37,8 @@ What is measured
 
 Implementations
   numba_fused   the public functions, called with preallocated out= buffers
-                (like the copy); --alloc lets them allocate per call.
+                (like the copy) from numba_fused.empty_like; --alloc lets them
+                allocate per call.
   numpy         the composed NumPy formulas in the benchmark's dtype: float32
                 (float16/bfloat16 inputs are computed in float32 and cast back,
                 as a NumPy user would). Not the float64 reference.

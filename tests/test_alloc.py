@@ -1,0 +1,123 @@
+"""Output placement (numba_fused._alloc): outputs the library allocates, and
+numba_fused.empty_like, start where the kernels' stores do not alias their loads
+(a multiple of 2**28 bytes from an input, give or take a few rows). Addresses
+only: the big buffers below are never touched, so no page is ever faulted in."""
+import numpy as np
+import pytest
+
+import numba_fused as nf
+from numba_fused import _alloc, _dispatch
+from conftest import HALVES, assert_bits_equal, draw, draw_param
+
+SPAN = _alloc.ALIAS_SPAN
+
+
+def _carved(nbytes, *offsets, dtype=np.float32, cols=1024):
+    """Arrays of nbytes carved from one untouched buffer at the given byte
+    offsets (page-aligned plus 16, as NumPy places large arrays)."""
+    buf = np.empty(max(offsets) + nbytes + 8192, np.uint8)
+    base = -buf.ctypes.data % 4096 + 16
+    return [buf[base + o:base + o + nbytes].view(dtype).reshape(-1, cols) for o in offsets]
+
+
+@pytest.mark.parametrize("gap", [SPAN + 4096, SPAN, SPAN - 4096, SPAN + 3 * 4096, 2 * SPAN + 4096])
+def test_aliases_flags_outputs_a_multiple_of_the_span_from_an_input(gap):
+    x, y = _carved(1 << 20, 0, gap)
+    assert _alloc.aliases(y.ctypes.data, x, (x,))
+
+
+@pytest.mark.parametrize("gap", [1 << 20, 3 * 4096 + (1 << 20), SPAN // 2 + 4096, SPAN + (1 << 20),
+                                 SPAN - (1 << 20)])
+def test_aliases_passes_outputs_clear_of_the_window(gap):
+    x, y = _carved(1 << 20, 0, gap)
+    assert not _alloc.aliases(y.ctypes.data, x, (x,))
+
+
+def test_window_scales_with_the_row():
+    # 4 rows of 256 KiB ahead are still in the window; 64 KiB rows' 4 rows are not
+    wide = _carved(1 << 20, 0, SPAN + 4 * (1 << 18), cols=1 << 16)
+    narrow = _carved(1 << 20, 0, SPAN + 4 * (1 << 18), cols=1 << 14)
+    assert _alloc.aliases(wide[1].ctypes.data, wide[0], (wide[0],))
+    assert not _alloc.aliases(narrow[1].ctypes.data, narrow[0], (narrow[0],))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, *HALVES])
+def test_place_moves_an_aliasing_output_clear_of_every_input(dtype):
+    itemsize = np.dtype(dtype).itemsize
+    x, dy, out = _carved(1 << 21, 0, SPAN - (1 << 22), SPAN + 4096, dtype=dtype,
+                         cols=4096 // itemsize)
+    assert _alloc.aliases(out.ctypes.data, x, (x, dy))
+    placed = _alloc.place(out, x, (x, dy))
+    assert placed is not out
+    assert placed.shape == x.shape and placed.dtype == x.dtype
+    assert placed.flags.c_contiguous and placed.flags.writeable
+    assert placed.ctypes.data % 64 == 0
+    assert not _alloc.aliases(placed.ctypes.data, x, (x, dy))
+
+
+def test_place_keeps_small_and_clear_outputs():
+    x, y = _carved(1 << 19, 0, SPAN + 4096)          # under PLACE_MIN_BYTES
+    assert _alloc.place(y, x, (x,)) is y
+    x, y = _carved(1 << 21, 0, SPAN + (1 << 22))
+    assert _alloc.place(y, x, (x,)) is y
+
+
+def test_empty_like_is_public_and_clear_of_its_inputs():
+    x, dy = _carved(1 << 21, 0, SPAN - 4096)
+    out = nf.empty_like(x, dy)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.flags.c_contiguous
+    assert not _alloc.aliases(out.ctypes.data, x, (x, dy))
+    f = np.ones((3, 5), np.float64, order="F")
+    g = nf.empty_like(f)
+    assert g.shape == (3, 5) and g.flags.c_contiguous
+
+
+@pytest.fixture
+def always_moved(monkeypatch):
+    """Every output the dispatcher allocates takes the relocation path."""
+    real = _alloc.aliases
+    calls = []
+
+    def first_candidate_aliases(address, like, inputs):
+        calls.append(address)
+        return len(calls) == 1 or real(address, like, inputs)
+
+    def place(out, like, inputs):
+        calls.clear()
+        return _place(out, like, inputs)
+    _place = _alloc.place
+    monkeypatch.setattr(_alloc, "PLACE_MIN_BYTES", 0)
+    monkeypatch.setattr(_alloc, "aliases", first_candidate_aliases)
+    monkeypatch.setattr(_alloc, "place", place)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [np.float32, *HALVES])
+def test_relocated_outputs_hold_the_same_bits(rng, dtype, always_moved):
+    shape = (3, 96, 700)          # 3-D: past the small 2-D entries, on the host path
+    x, dy = draw(rng, shape, dtype), draw(rng, shape, dtype)
+    w, b = (draw_param(rng, shape[-1], "random", dtype), draw_param(rng, shape[-1], "random", dtype))
+    y = nf.softmax_fwd(x)
+    _, rstd = nf.rms_norm_fwd(x, w)
+    _, mean, lrstd = nf.layer_norm_fwd(x, w, b)
+    calls = {
+        "softmax_fwd": lambda o: nf.softmax_fwd(x, out=o),
+        "softmax_bwd": lambda o: nf.softmax_bwd(y, dy, out=o),
+        "rms_norm_fwd": lambda o: nf.rms_norm_fwd(x, w, out=o)[0],
+        "rms_norm_bwd": lambda o: nf.rms_norm_bwd(dy, x, w, rstd, out=o)[0],
+        "layer_norm_fwd": lambda o: nf.layer_norm_fwd(x, w, b, out=o)[0],
+        "layer_norm_bwd": lambda o: nf.layer_norm_bwd(dy, x, w, b, mean, lrstd, out=o)[0],
+    }
+    for name, call in calls.items():
+        expected = call(np.full(shape, np.nan, dtype))
+        always_moved.clear()
+        got = call(None)
+        assert always_moved, f"{name}: the output was not placed"
+        assert got.base is not None and got.flags.c_contiguous and got.dtype == np.dtype(dtype)
+        assert_bits_equal(got, expected, name)
+
+
+def test_placed_or_passes_the_callers_out_through():
+    x = np.ones((4, 8), np.float32)
+    out = np.empty_like(x)
+    assert _dispatch._placed_or(out, x, x) is out
