@@ -28,36 +28,53 @@ PLACE_MIN_BYTES = 1 << 20
 
 def _window(like):
     """(low, length) of the distances out - input, modulo ALIAS_SPAN, that alias."""
-    row = like.shape[-1] * like.itemsize if like.ndim else like.itemsize
+    itemsize = like.itemsize if isinstance(like, np.ndarray) else like.element_size()
+    row = (like.shape[-1] if like.ndim else 1) * itemsize
     return -ALIAS_MARGIN, ALIAS_ROWS * row + 2 * ALIAS_MARGIN
 
 
+def _address(a):
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
+
+
 def aliases(address, like, inputs):
-    """Whether an output like ``like`` starting at ``address`` aliases an input:
-    it lies at least ALIAS_SPAN / 2 bytes from the input's start, at a distance
-    within the window modulo ALIAS_SPAN."""
+    """Whether an output like ``like`` starting at ``address`` aliases one of the
+    ``inputs`` (NumPy arrays or CPU tensors): it lies at least ALIAS_SPAN / 2
+    bytes from the input's start, at a distance within the window modulo
+    ALIAS_SPAN."""
     low, length = _window(like)
     for a in inputs:
-        d = address - a.ctypes.data
+        d = address - _address(a)
         if abs(d) >= ALIAS_SPAN // 2 and (d - low) % ALIAS_SPAN < length:
             return True
     return False
 
 
+def padding(like, inputs):
+    """Bytes to allocate beyond an output like ``like`` so that a start clear of
+    every input exists (``clear_offset``): two windows per input."""
+    return 2 * len(inputs) * _window(like)[1] + 4096 + 64
+
+
+def clear_offset(address, like, inputs):
+    """The first offset into a buffer at ``address`` (of ``padding`` extra bytes),
+    64-byte aligned and in 4 KiB steps, where an output like ``like`` aliases no
+    input."""
+    start = -address % 64
+    for o in range(start, start + padding(like, inputs) - 63, 4096):
+        if not aliases(address + o, like, inputs):
+            return o
+    return start
+
+
 def place(out, like, inputs):
     """``out`` (a fresh array like ``like``) where it aliases none of the NumPy
-    ``inputs`` (module docstring), else a view into a buffer up to two windows
-    per input larger, at the first 4 KiB step clear of every input (64-byte
-    aligned)."""
+    ``inputs`` (module docstring), else a view at ``clear_offset`` into a buffer
+    ``padding`` bytes larger."""
     if out.nbytes < PLACE_MIN_BYTES or not aliases(out.ctypes.data, like, inputs):
         return out
-    _, length = _window(like)
-    pad = 2 * len(inputs) * length + 4096
-    buf = np.empty(out.nbytes + pad + 64, np.uint8)
-    start = -buf.ctypes.data % 64
-    for o in range(start, start + pad + 1, 4096):
-        if not aliases(buf.ctypes.data + o, like, inputs):
-            break
+    buf = np.empty(out.nbytes + padding(like, inputs), np.uint8)
+    o = clear_offset(buf.ctypes.data, like, inputs)
     return buf[o:o + out.nbytes].view(out.dtype).reshape(out.shape)
 
 

@@ -60,7 +60,7 @@ import numpy as np
 import ml_dtypes
 import torch   # absolute import: the real PyTorch, not this module
 
-from . import _dispatch as _F
+from . import _alloc, _dispatch as _F
 
 __all__ = ["softmax", "rms_norm", "layer_norm", "RMSNorm", "LayerNorm"]
 
@@ -140,9 +140,17 @@ class _Cuda:
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-def _empty_out(x):
-    """A contiguous output like x (the fake impls promise contiguous outputs)."""
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _empty_out(x, *inputs):
+    """A contiguous output like x (the fake impls promise contiguous outputs); on
+    the CPU placed clear of the inputs' 2**28-byte aliases (``numba_fused._alloc``)."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if (not x.is_cpu or y.numel() * y.element_size() < _alloc.PLACE_MIN_BYTES
+            or not _alloc.aliases(y.data_ptr(), x, (x,) + inputs)):
+        return y
+    n = y.numel() * y.element_size()
+    buf = torch.empty(n + _alloc.padding(x, (x,) + inputs), dtype=torch.uint8)
+    o = _alloc.clear_offset(buf.data_ptr(), x, (x,) + inputs)
+    return buf[o:o + n].view(x.dtype).view(x.shape)
 
 
 def _none_to_empty(t, like):
@@ -234,7 +242,7 @@ def _(x):
 def _softmax_bwd_impl(y: Tensor, dy: Tensor) -> Tensor:
     _check_dtype(y, "y")
     dy = dy.to(y.dtype)
-    dx = _empty_out(y)
+    dx = _empty_out(y, dy)
     if y.is_cpu:
         _F.softmax_bwd(_np(y), _np(dy), out=_np(dx))
     else:
@@ -290,7 +298,7 @@ def _(x, weight, eps):
 def _rms_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor,
                   need_dweight: bool) -> tuple[Tensor, Tensor]:
     dy = dy.to(x.dtype)
-    dx = _empty_out(x)
+    dx = _empty_out(x, dy)
     if x.is_cpu:
         _, dw = _F.rms_norm_bwd(_np(dy), _np(x), None if weight is None else _np(weight),
                                 _np(rstd), out=_np(dx))
@@ -367,7 +375,7 @@ def _layer_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: 
     """dbias comes back in the accumulator dtype (float32, float64 for float64 x):
     bias is not saved, so a stand-in of that dtype (allowed for any x) selects it."""
     dy = dy.to(x.dtype)
-    dx = _empty_out(x)
+    dx = _empty_out(x, dy)
     acc = _acc_dtype(x.dtype)
     n = x.shape[-1]
     if x.is_cpu:

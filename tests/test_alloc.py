@@ -121,3 +121,44 @@ def test_placed_or_passes_the_callers_out_through():
     x = np.ones((4, 8), np.float32)
     out = np.empty_like(x)
     assert _dispatch._placed_or(out, x, x) is out
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_torch_outputs_relocated_hold_the_same_bits(dtype_name, always_moved, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import numba_fused.torch as nft
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 96, 700, generator=g).to(dtype)
+    dy = torch.randn(3, 96, 700, generator=g).to(dtype)
+    w = torch.randn(700, generator=g).to(dtype)
+    b = torch.randn(700, generator=g).to(dtype)
+
+    def run():
+        y = nft._softmax_fwd_impl(x)
+        out = [y, nft._softmax_bwd_impl(y, dy)]
+        yr, rstd = nft._rms_norm_fwd_impl(x, w, 1e-6)
+        out += [yr, nft._rms_norm_bwd_impl(dy, x, w, rstd, True)[0]]
+        yl, mean, lrstd = nft._layer_norm_fwd_impl(x, w, b, 1e-5)
+        out += [yl, nft._layer_norm_bwd_impl(dy, x, w, mean, lrstd, True, True)[0]]
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(_alloc, "aliases", lambda address, like, inputs: False)
+        expected = run()
+    moved = []
+
+    def empty_out(*args):
+        always_moved.clear()
+        t = real_empty_out(*args)
+        moved.append(bool(always_moved) and t.storage_offset() * t.element_size() % 64 == 0
+                     and t.is_contiguous() and t.data_ptr() != 0)
+        return t
+    real_empty_out = nft._empty_out
+    monkeypatch.setattr(nft, "_empty_out", empty_out)
+    got = run()
+    assert moved == [True] * 6
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
