@@ -84,6 +84,8 @@ def empty_like(like, *inputs):
     kernels' stores into it do not alias their loads from the inputs on AMD Zen
     (see ``numba_fused._alloc``). The outputs numba_fused allocates itself are
     placed so already."""
-    like = np.asarray(like)
-    return place(np.empty(like.shape, like.dtype), like,
-                 (like,) + tuple(np.asarray(a) for a in inputs))
+    for name, a in [("like", like)] + [(f"inputs[{i}]", a) for i, a in enumerate(inputs)]:
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"empty_like: {name} must be a NumPy array (CPU out= buffers "
+                            f"only), not {type(a).__name__}")
+    return place(np.empty(like.shape, like.dtype), like, (like,) + inputs)

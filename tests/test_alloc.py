@@ -72,6 +72,13 @@ def test_empty_like_is_public_and_clear_of_its_inputs():
     assert g.shape == (3, 5) and g.flags.c_contiguous
 
 
+@pytest.mark.parametrize("args, name", [(([1.0, 2.0],), "like"),
+                                        ((np.ones(4), [1.0]), r"inputs\[0\]")])
+def test_empty_like_rejects_non_arrays_naming_the_argument(args, name):
+    with pytest.raises(TypeError, match=name):
+        nf.empty_like(*args)
+
+
 @pytest.fixture
 def always_moved(monkeypatch):
     """Every output the dispatcher allocates takes the relocation path."""
