@@ -4,14 +4,16 @@ On AMD Zen the L1 predicts a line's way from a hash of linear-address bits 12-27
 (its "utag"): lines a multiple of 2**28 bytes apart evict each other. The kernels
 store row r of the output while they load rows r..r+2 of the inputs (the
 pipelined stages), so an output that lies a multiple of 2**28 bytes, give or take
-a few rows, from an input runs 1.2-1.9x slower. Allocators put arrays exactly
+a few rows, from an input runs up to 2x slower. Allocators put arrays exactly
 there: NumPy's ``empty_like`` of a 256 MiB array lands 2**28 + 4096 bytes from it
 (65536x1024 float32; measured 2026-12-06 on the project's AMD EPYC VM, y at
-x + 2**28 + 4096 against y 64 KiB further on: softmax fwd 20.2 against 16-17 ms,
-layer_norm fwd 30.4 against 16.5-17.3 ms, rms_norm fwd 18.6 against 15.9-16.3 ms).
-``empty_like`` below allocates such an output a little larger and starts it
-where no input's rows are in the way. The kernels give the same bits wherever
-their buffers lie.
+x + 2**28 + 4096 against y at x + 2**28 + 16 KiB up to x + 2**29 - 64 KiB, two runs:
+softmax fwd 27.5 against 21.8-24.3 ms and 20.2 against 16.1-18.9; layer_norm fwd
+32.5 against 17.5-25.5 and 30.4 against 16.4-20.9; rms_norm fwd 18.5 against
+15.7-17.4 and 18.6 against 15.9-17.4). ``place`` allocates such an
+output a little larger and starts it where no input's rows are in the way; the
+kernels give the same bits wherever their buffers lie. Inputs are the caller's:
+two inputs that alias each other (dy and x of a backward) are not helped.
 """
 import numpy as np
 

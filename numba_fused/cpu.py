@@ -47,6 +47,7 @@ from numba.np.numpy_support import as_dtype
 from llvmlite import ir
 
 from . import _cache  # noqa: F401  (cache stamps: before any cached kernel)
+from ._alloc import ALIAS_SPAN
 from ._dtypes import acc, acc_numba_type, narrow, widen
 from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store, prefetch,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
@@ -2219,8 +2220,7 @@ def _bind_thread_count():
     _thread_count = getattr(parallel, "_get_num_threads", numba.get_num_threads)
 
 
-#: linear-address distance and window of the store/load aliasing below
-ALIAS_SPAN = 1 << 28
+#: window, around multiples of ALIAS_SPAN (``_alloc``), of the store/load aliasing below
 ALIAS_NEAR = 4096
 
 
@@ -2235,7 +2235,8 @@ def _norm_fwd_threads(x, y, threads):
     (NumPy's x, then its y, at 65536x1024 float32: y = x + 2**28 + 4096): measured
     2026-12-05 on the project's AMD EPYC VM, layer_norm fwd 28-30 ms pipelined
     against 13-16 ms row by row, rms_norm fwd 17 against 15 ms; a buffer 8 KiB
-    further on ran pipelined in 16-17 ms."""
+    further on ran pipelined in 16-17 ms. The outputs the library allocates are
+    placed clear of this (``_alloc.place``); a caller's ``out=`` may not be."""
     d = (y.ctypes.data - x.ctypes.data - x.shape[2] * x.itemsize) % ALIAS_SPAN
     if d < ALIAS_NEAR or d > ALIAS_SPAN - ALIAS_NEAR:
         return max(threads, x.shape[0] * x.shape[1])
