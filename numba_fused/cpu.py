@@ -837,7 +837,11 @@ def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi):
     and row hi-1's store are passes of their own, with the stage's lanes and
     operations: a row's bits do not depend on lo and hi (so neither on the thread
     count), and a chunk of one row is the plain two-pass row. Pipelined: ab.py
-    median ratios 0.97-1.28x over float32, bfloat16 and float64 (2026-12-04)."""
+    median ratios 0.97-1.28x over float32, bfloat16 and float64 (2026-12-04).
+    Rows of PAIR_BYTES and more go two at a time (``_rms_norm_fwd_pairs``)."""
+    if _paired(x, lo, hi):
+        _rms_norm_fwd_pairs(x, weight, eps, y, rstd, lo, hi)
+        return
     rc = _rms_norm_rstd(_row_at(x, lo), _sum_sq(_row_at(x, lo), acc(x, 0.0))[0], eps)
     rstd[lo] = rc
     for r in range(lo, hi - 1):
@@ -846,6 +850,74 @@ def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi):
         rc = _rms_norm_rstd(xa, ss, eps)
         rstd[r + 1] = rc
     _rms_norm_store(_row_at(x, hi - 1), weight, rc, _row_at(y, hi - 1))
+
+
+#: norm forwards on rows of at least this many bytes (and fewer than WIDE_COLS
+#: columns) run their pipeline two rows at a time: one pass stores rows r and
+#: r + 1 and takes the sums of rows r + 2 and r + 3, loading each weight (and
+#: bias) element once for both. Why: at 4,096 float32 columns the stage's rows
+#: and parameters exceed the 32 KiB L1, and every parameter row read from the L2
+#: cost ~0.035 ns per element from memory (layer_norm fwd 0.345 with weight and
+#: bias, 0.274 with neither; 2026-12-06). ab.py --evict 64 against one row at a
+#: time (the same bits), AMD EPYC, 2 threads, 2026-12-06: float32 layer_norm
+#: 1.12-1.13x at 4096x4096, 1024x16384 and 1024x4096, rms_norm 1.00-1.06x;
+#: bfloat16 at 16,384 columns 1.07-1.13x, but at 4,096 (8 KiB rows) 0.90-0.98x,
+#: and float32 1,024 columns 0.72-0.88x in a first trial: rows that fit the L1
+#: one at a time lose.
+PAIR_BYTES = 1 << 14
+
+
+@njit(inline='always')
+def _paired(x, lo, hi):
+    """Whether rows lo..hi-1 of a norm forward go two at a time (PAIR_BYTES)."""
+    return (x.shape[2] * x.itemsize >= PAIR_BYTES and x.shape[2] < WIDE_COLS
+            and hi - lo >= 4)
+
+
+@_row
+def _rms_norm_fwd_pairs(x, weight, eps, y, rstd, lo, hi):
+    """``_rms_norm_fwd_rows`` two rows at a time (see PAIR_BYTES): rows lo and lo + 1
+    take their sums on their own, each pass stores two rows and sums the next two,
+    and the last two or three rows are stored on their own (the third takes its
+    sum first). Each row's sums and store have the lanes and operations of the
+    one-row pipeline: the same bits."""
+    for r in range(lo, lo + 2):
+        rstd[r] = _rms_norm_rstd(_row_at(x, r), _sum_sq(_row_at(x, r), acc(x, 0.0))[0], eps)
+    r = lo
+    while r + 3 < hi:
+        s0, s1 = _rms_norm_fwd_stage2_at(
+            x.shape[2], _data(_row_at(x, r + 2)), _data(_row_at(x, r + 3)),
+            _data(_row_at(x, r)), _data(_row_at(x, r + 1)), _data(weight),
+            acc(x, rstd[r]), acc(x, rstd[r + 1]), _data(_row_at(y, r)),
+            _data(_row_at(y, r + 1)))
+        rstd[r + 2] = _rms_norm_rstd(_row_at(x, r + 2), s0, eps)
+        rstd[r + 3] = _rms_norm_rstd(_row_at(x, r + 3), s1, eps)
+        r += 2
+    if hi - r == 3:
+        rstd[r + 2] = _rms_norm_rstd(_row_at(x, r + 2),
+                                     _sum_sq(_row_at(x, r + 2), acc(x, 0.0))[0], eps)
+    for k in range(r, hi):
+        _rms_norm_store(_row_at(x, k), weight, acc(x, rstd[k]), _row_at(y, k))
+
+
+@_lanes_fn
+def _rms_norm_fwd_stage2_at(n, xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1):
+    """Two rows' ``_rms_norm_fwd_stage_at`` in one pass (``_rms_norm_fwd_pairs``;
+    rows shorter than WIDE_COLS): stores yc0, yc1 and returns the sums of squares
+    of xa0, xa1."""
+    _no_alias_args("xa0 xa1 xc0 xc1 weight")
+    s0 = s1 = lanes_zeros(xa0)
+    step = lanes_count(s0)
+    for c in range(0, n - step + 1, step):
+        _prefetch_halves(xa0, c + PREFETCH_AHEAD)
+        _prefetch_halves(xa1, c + PREFETCH_AHEAD)
+        s0 = _rms_norm_fwd_block(xa0, xc0, weight, rstd0, yc0, s0, c, step)
+        s1 = _rms_norm_fwd_block(xa1, xc1, weight, rstd1, yc1, s1, c, step)
+    if n % step:
+        c, k = n - n % step, n % step
+        s0 = _rms_norm_fwd_block(xa0, xc0, weight, rstd0, yc0, s0, c, k)
+        s1 = _rms_norm_fwd_block(xa1, xc1, weight, rstd1, yc1, s1, c, k)
+    return lanes_sum(s0), lanes_sum(s1)
 
 
 @_row
@@ -976,7 +1048,11 @@ def _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, lo, hi):
     """Rows lo..hi-1, pipelined as ``_rms_norm_fwd_rows`` (row lo's sums and row
     hi-1's store on their own): one pass takes the shifted sums of row r + 1 and
     stores row r; a row that needs the second statistics pass takes it while in
-    cache, before its store. Statistics and store: see ``_layer_norm_store``."""
+    cache, before its store. Statistics and store: see ``_layer_norm_store``.
+    Rows of PAIR_BYTES and more go two at a time (``_layer_norm_fwd_pairs``)."""
+    if _paired(x, lo, hi):
+        _layer_norm_fwd_pairs(x, weight, bias, eps, y, mean, rstd, lo, hi)
+        return
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
     xa = _row_at(x, lo)
     mc, rc = _layer_norm_stats(xa, _moments(xa, _layer_norm_shift(xa), inv_cols), inv_cols,
@@ -989,6 +1065,62 @@ def _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, lo, hi):
         mc, rc = _layer_norm_stats(xa, sums, inv_cols, eps)
         mean[r + 1], rstd[r + 1] = mc, rc
     _layer_norm_store(_row_at(x, hi - 1), weight, bias, mc, rc, _row_at(y, hi - 1))
+
+
+@_row
+def _layer_norm_fwd_pairs(x, weight, bias, eps, y, mean, rstd, lo, hi):
+    """``_layer_norm_fwd_rows`` two rows at a time, as ``_rms_norm_fwd_pairs``: the
+    same bits."""
+    inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
+    for r in range(lo, lo + 2):
+        xa = _row_at(x, r)
+        mean[r], rstd[r] = _layer_norm_stats(
+            xa, _moments(xa, _layer_norm_shift(xa), inv_cols), inv_cols, eps)
+    r = lo
+    while r + 3 < hi:
+        xa0, xa1 = _row_at(x, r + 2), _row_at(x, r + 3)
+        s = _layer_norm_fwd_stage2_at(
+            x.shape[2], _data(xa0), _data(xa1), _layer_norm_shift(xa0),
+            _layer_norm_shift(xa1), inv_cols, _data(_row_at(x, r)), _data(_row_at(x, r + 1)),
+            _data(weight), _data(bias), acc(x, mean[r]), acc(x, rstd[r]),
+            acc(x, mean[r + 1]), acc(x, rstd[r + 1]), _data(_row_at(y, r)),
+            _data(_row_at(y, r + 1)))
+        mean[r + 2], rstd[r + 2] = _layer_norm_stats(xa0, (s[0], s[1], s[2]), inv_cols, eps)
+        mean[r + 3], rstd[r + 3] = _layer_norm_stats(xa1, (s[3], s[4], s[5]), inv_cols, eps)
+        r += 2
+    if hi - r == 3:
+        xa = _row_at(x, r + 2)
+        mean[r + 2], rstd[r + 2] = _layer_norm_stats(
+            xa, _moments(xa, _layer_norm_shift(xa), inv_cols), inv_cols, eps)
+    for k in range(r, hi):
+        _layer_norm_store(_row_at(x, k), weight, bias, acc(x, mean[k]), acc(x, rstd[k]),
+                          _row_at(y, k))
+
+
+@_lanes_fn
+def _layer_norm_fwd_stage2_at(n, xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias,
+                              mean0, rstd0, mean1, rstd1, yc0, yc1):
+    """Two rows' ``_layer_norm_fwd_stage_at`` in one pass (``_layer_norm_fwd_pairs``;
+    rows shorter than WIDE_COLS): stores yc0, yc1 and returns the shifted sums of
+    xa0 (about m00), then of xa1 (about m01)."""
+    _no_alias_args("xa0 xa1 xc0 xc1 weight bias")
+    sm0 = ss0 = sd0 = sm1 = ss1 = sd1 = lanes_zeros(xa0)
+    step = lanes_count(sm0)
+    for c in range(0, n - step + 1, step):
+        _prefetch_halves(xa0, c + PREFETCH_AHEAD)
+        _prefetch_halves(xa1, c + PREFETCH_AHEAD)
+        sm0, ss0, sd0 = _layer_norm_fwd_block(xa0, m00, inv_cols, xc0, weight, bias, mean0,
+                                              rstd0, yc0, sm0, ss0, sd0, c, step)
+        sm1, ss1, sd1 = _layer_norm_fwd_block(xa1, m01, inv_cols, xc1, weight, bias, mean1,
+                                              rstd1, yc1, sm1, ss1, sd1, c, step)
+    if n % step:
+        c, k = n - n % step, n % step
+        sm0, ss0, sd0 = _layer_norm_fwd_block(xa0, m00, inv_cols, xc0, weight, bias, mean0,
+                                              rstd0, yc0, sm0, ss0, sd0, c, k)
+        sm1, ss1, sd1 = _layer_norm_fwd_block(xa1, m01, inv_cols, xc1, weight, bias, mean1,
+                                              rstd1, yc1, sm1, ss1, sd1, c, k)
+    return (lanes_sum(sm0), lanes_sum(ss0), lanes_sum(sd0), lanes_sum(sm1), lanes_sum(ss1),
+            lanes_sum(sd1))
 
 
 @_row

@@ -777,14 +777,16 @@ def test_softmax_fwd_long_rows(rng, restore_threads, dtype, blocks):
 
 
 @pytest.mark.parametrize("rows", [4, 13, 97])
-@pytest.mark.parametrize("cols", [1, 33, 1000])
+@pytest.mark.parametrize("cols", [1, 33, 1000, cpu.PAIR_BYTES // 2 + 37])
 @pytest.mark.parametrize("op", ["rms_norm_fwd", "layer_norm_fwd"])
 @dtypes
 def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
-    """The pipelined norm forwards (every shape; one chunk per thread): NaN rows
-    and rows that take LayerNorm's second statistics pass at the first, last and
-    chunk-boundary positions (chunks of 1 row included); bits independent of
-    position, chunking and thread count; the other rows match the reference."""
+    """The pipelined norm forwards (every shape; one chunk per thread; two rows at a
+    time from rows of cpu.PAIR_BYTES, two or three rows left at a chunk's end):
+    NaN rows and rows that take LayerNorm's second statistics pass at the first,
+    last and chunk-boundary positions (chunks of 1 row, one row at a time,
+    included); bits independent of position, chunking and thread count; the other
+    rows match the reference."""
     x = draw(rng, (rows, cols), dtype, loc=0.5)
     edges = _chunk_edges(rows, lambda t: min(rows, t))
     q = cols // 4
@@ -802,10 +804,10 @@ def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
         numba.set_num_threads(min(threads, restore_threads))
         with cpu.forced(parallel):
             results.append(call_op(op, d, out=poisoned(x.shape, dtype)))
-    results += [_fwd_by_driver(op, d, t) for t in DRIVER_THREADS]
+    results += [_fwd_by_driver(op, d, t) for t in DRIVER_THREADS + (rows,)]
     for other in results[1:]:
         for a, c in zip(other, results[0]):
-            assert_bits_equal(a, c, "serial vs parallel, threads 1, 2, 3, 5")
+            assert_bits_equal(a, c, "serial vs parallel, threads 1, 2, 3, 5, one per row")
     for r in nan_rows:
         assert np.all(np.isnan(results[0][0][r])) and np.isnan(results[0][-1][r])
     ok = [r for r in range(rows) if r not in nan_rows]
@@ -813,6 +815,19 @@ def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
     perm = rng.permutation(rows)
     for a, c in zip(call_op(op, dict(d, x=x[perm])), results[0]):
         assert_bits_equal(a, c[perm], "rows permuted")
+
+
+@pytest.mark.parametrize("storage", [np.uint16, np.float32, np.float64])
+def test_norm_fwd_pairs_rule(storage):
+    """Two rows at a time (cpu._paired): rows of PAIR_BYTES and more, below
+    WIDE_COLS columns, in chunks of at least 4 rows."""
+    first = cpu.PAIR_BYTES // np.dtype(storage).itemsize
+    paired = lambda rows, cols, lo, hi: cpu._paired(np.empty((1, rows, cols), storage),
+                                                    lo, hi)   # noqa: E731
+    assert paired(8, first, 0, 8) and paired(8, cpu.WIDE_COLS - 1, 2, 6)
+    assert not paired(8, first - 1, 0, 8)
+    assert not paired(8, cpu.WIDE_COLS, 0, 8)
+    assert not paired(8, first, 0, 3) and not paired(8, first, 5, 8)
 
 
 @pytest.mark.parametrize("rows", [4, 13, 97])
