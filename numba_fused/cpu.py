@@ -852,8 +852,8 @@ def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi):
     _rms_norm_store(_row_at(x, hi - 1), weight, rc, _row_at(y, hi - 1))
 
 
-#: norm forwards on rows of at least this many bytes (and fewer than WIDE_COLS
-#: columns) run their pipeline two rows at a time: one pass stores rows r and
+#: norm forwards on rows of at least this many bytes run their pipeline two
+#: rows at a time (long rows by the same blocks: WIDE_COLS): one pass stores rows r and
 #: r + 1 and takes the sums of rows r + 2 and r + 3, loading each weight (and
 #: bias) element once for both. Why: at 4,096 float32 columns the stage's rows
 #: and parameters exceed the 32 KiB L1, and every parameter row read from the L2
@@ -863,15 +863,16 @@ def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi):
 #: 1.12-1.13x at 4096x4096, 1024x16384 and 1024x4096, rms_norm 1.00-1.06x;
 #: bfloat16 at 16,384 columns 1.07-1.13x, but at 4,096 (8 KiB rows) 0.90-0.98x,
 #: and float32 1,024 columns 0.72-0.88x in a first trial: rows that fit the L1
-#: one at a time lose.
+#: one at a time lose. Past WIDE_COLS (against pairs below it only): 64x65536
+#: 1.05-1.13x but layer_norm bfloat16 0.99-1.08x, 16x262144 float32 0.97-1.08x,
+#: bfloat16 0.95-1.03x.
 PAIR_BYTES = 1 << 14
 
 
 @njit(inline='always')
 def _paired(x, lo, hi):
     """Whether rows lo..hi-1 of a norm forward go two at a time (PAIR_BYTES)."""
-    return (x.shape[2] * x.itemsize >= PAIR_BYTES and x.shape[2] < WIDE_COLS
-            and hi - lo >= 4)
+    return x.shape[2] * x.itemsize >= PAIR_BYTES and hi - lo >= 4
 
 
 @_row
@@ -902,19 +903,32 @@ def _rms_norm_fwd_pairs(x, weight, eps, y, rstd, lo, hi):
 
 @_lanes_fn
 def _rms_norm_fwd_stage2_at(n, xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1):
-    """Two rows' ``_rms_norm_fwd_stage_at`` in one pass (``_rms_norm_fwd_pairs``;
-    rows shorter than WIDE_COLS): stores yc0, yc1 and returns the sums of squares
-    of xa0, xa1."""
+    """Two rows' ``_rms_norm_fwd_stage_at`` in one pass (``_rms_norm_fwd_pairs``):
+    stores yc0, yc1 and returns the sums of squares of xa0, xa1, long rows by the
+    same blocks (see WIDE_COLS)."""
     _no_alias_args("xa0 xa1 xc0 xc1 weight")
+    if n < WIDE_COLS:
+        return _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, 0, n)
+    s0, s1 = _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, 0,
+                                 WIDE_BLOCK)
+    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+        a, b = _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, c0,
+                                   min(n, c0 + WIDE_BLOCK))
+        s0, s1 = s0 + a, s1 + b
+    return s0, s1
+
+
+@_row
+def _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, c0, c1):
     s0 = s1 = lanes_zeros(xa0)
     step = lanes_count(s0)
-    for c in range(0, n - step + 1, step):
+    for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(xa0, c + PREFETCH_AHEAD)
         _prefetch_halves(xa1, c + PREFETCH_AHEAD)
         s0 = _rms_norm_fwd_block(xa0, xc0, weight, rstd0, yc0, s0, c, step)
         s1 = _rms_norm_fwd_block(xa1, xc1, weight, rstd1, yc1, s1, c, step)
-    if n % step:
-        c, k = n - n % step, n % step
+    if (c1 - c0) % step:
+        c, k = c1 - (c1 - c0) % step, (c1 - c0) % step
         s0 = _rms_norm_fwd_block(xa0, xc0, weight, rstd0, yc0, s0, c, k)
         s1 = _rms_norm_fwd_block(xa1, xc1, weight, rstd1, yc1, s1, c, k)
     return lanes_sum(s0), lanes_sum(s1)
@@ -1100,21 +1114,37 @@ def _layer_norm_fwd_pairs(x, weight, bias, eps, y, mean, rstd, lo, hi):
 @_lanes_fn
 def _layer_norm_fwd_stage2_at(n, xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias,
                               mean0, rstd0, mean1, rstd1, yc0, yc1):
-    """Two rows' ``_layer_norm_fwd_stage_at`` in one pass (``_layer_norm_fwd_pairs``;
-    rows shorter than WIDE_COLS): stores yc0, yc1 and returns the shifted sums of
-    xa0 (about m00), then of xa1 (about m01)."""
+    """Two rows' ``_layer_norm_fwd_stage_at`` in one pass (``_layer_norm_fwd_pairs``):
+    stores yc0, yc1 and returns the shifted sums of xa0 (about m00), then of xa1
+    (about m01), long rows by the same blocks (see WIDE_COLS)."""
     _no_alias_args("xa0 xa1 xc0 xc1 weight bias")
+    if n < WIDE_COLS:
+        return _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias,
+                                     mean0, rstd0, mean1, rstd1, yc0, yc1, 0, n)
+    s = _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias, mean0,
+                              rstd0, mean1, rstd1, yc0, yc1, 0, WIDE_BLOCK)
+    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+        t = _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias,
+                                  mean0, rstd0, mean1, rstd1, yc0, yc1, c0,
+                                  min(n, c0 + WIDE_BLOCK))
+        s = (s[0] + t[0], s[1] + t[1], s[2] + t[2], s[3] + t[3], s[4] + t[4], s[5] + t[5])
+    return s
+
+
+@_row
+def _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias, mean0, rstd0,
+                          mean1, rstd1, yc0, yc1, c0, c1):
     sm0 = ss0 = sd0 = sm1 = ss1 = sd1 = lanes_zeros(xa0)
     step = lanes_count(sm0)
-    for c in range(0, n - step + 1, step):
+    for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(xa0, c + PREFETCH_AHEAD)
         _prefetch_halves(xa1, c + PREFETCH_AHEAD)
         sm0, ss0, sd0 = _layer_norm_fwd_block(xa0, m00, inv_cols, xc0, weight, bias, mean0,
                                               rstd0, yc0, sm0, ss0, sd0, c, step)
         sm1, ss1, sd1 = _layer_norm_fwd_block(xa1, m01, inv_cols, xc1, weight, bias, mean1,
                                               rstd1, yc1, sm1, ss1, sd1, c, step)
-    if n % step:
-        c, k = n - n % step, n % step
+    if (c1 - c0) % step:
+        c, k = c1 - (c1 - c0) % step, (c1 - c0) % step
         sm0, ss0, sd0 = _layer_norm_fwd_block(xa0, m00, inv_cols, xc0, weight, bias, mean0,
                                               rstd0, yc0, sm0, ss0, sd0, c, k)
         sm1, ss1, sd1 = _layer_norm_fwd_block(xa1, m01, inv_cols, xc1, weight, bias, mean1,

@@ -651,6 +651,13 @@ def _chunk_edges(rows, chunks_of):
     return sorted(edges)
 
 
+def _rows_storage(x):
+    """x's (1, rows, cols) storage view, as the drivers take it."""
+    from numba_fused import _dtypes as D
+    D.load_bfloat16()
+    return D.to_storage(x)[None]
+
+
 def _fwd_by_driver(op, d, threads, kernels=cpu.PARALLEL):
     """The parallel forward driver of ``op`` called with ``threads`` (2-D x); of
     ``kernels`` (cpu.BLOCKED: the column-blocked kernel)."""
@@ -819,15 +826,30 @@ def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
 
 @pytest.mark.parametrize("storage", [np.uint16, np.float32, np.float64])
 def test_norm_fwd_pairs_rule(storage):
-    """Two rows at a time (cpu._paired): rows of PAIR_BYTES and more, below
-    WIDE_COLS columns, in chunks of at least 4 rows."""
+    """Two rows at a time (cpu._paired): rows of PAIR_BYTES and more, in chunks of at
+    least 4 rows."""
     first = cpu.PAIR_BYTES // np.dtype(storage).itemsize
     paired = lambda rows, cols, lo, hi: cpu._paired(np.empty((1, rows, cols), storage),
                                                     lo, hi)   # noqa: E731
-    assert paired(8, first, 0, 8) and paired(8, cpu.WIDE_COLS - 1, 2, 6)
+    assert paired(8, first, 0, 8) and paired(8, cpu.WIDE_COLS, 2, 6)
     assert not paired(8, first - 1, 0, 8)
-    assert not paired(8, cpu.WIDE_COLS, 0, 8)
     assert not paired(8, first, 0, 3) and not paired(8, first, 5, 8)
+
+
+@pytest.mark.parametrize("op", ["rms_norm_fwd", "layer_norm_fwd"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_norm_fwd_pairs_long_rows(rng, op, dtype):
+    """Rows past WIDE_COLS two at a time: their sums by the blocks of one row at a
+    time, so the same bits (9 rows: four pairs and a row left; one chunk against
+    one chunk per row); the values match the reference."""
+    rows, cols = 9, cpu.WIDE_COLS + cpu.WIDE_BLOCK + 37
+    d = dict(x=draw(rng, (rows, cols), dtype, loc=0.5), weight=draw_param(rng, cols, "x", dtype),
+             bias=draw_param(rng, cols, "x", dtype, loc=0.0))
+    assert cpu._paired(_rows_storage(d["x"]), 0, rows)
+    pairs, by_row = _fwd_by_driver(op, d, 1), _fwd_by_driver(op, d, rows)
+    for a, c in zip(pairs, by_row):
+        assert_bits_equal(a, c, "two rows at a time vs one")
+    check_op(op, d, list(pairs))
 
 
 @pytest.mark.parametrize("rows", [4, 13, 97])
