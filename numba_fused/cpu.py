@@ -1217,6 +1217,12 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
     """
     rows = x.shape[0] * x.shape[1]
     lo, hi = _chunk_rows(k0, rows, chunks)[0], _chunk_rows(k1 - 1, rows, chunks)[1]
+    if _paired(x, lo, hi) and x.itemsize >= 4 and (hi - lo) >= PAIR_CHUNK_ROWS * (k1 - k0):
+        for k in range(k0, k1):
+            start, end = _chunk_rows(k, rows, chunks)
+            _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, _row_of(wparts, k),
+                            _row_of(bparts, k), start, end)
+        return
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
     dot, gmean = _layer_norm_bwd_sums(_row_at(dy, lo), _row_at(x, lo), weight,
                                       _stat(x, mean, lo), acc(x, rstd[lo]))
@@ -1239,6 +1245,117 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
                           _stat(x, mean, hi - 1), acc(x, rstd[hi - 1]), dot,
                           _gmean_of(x, mean, gmean), _row_at(dx, hi - 1),
                           _row_of(wparts, k), _row_of(bparts, k), hi - 1 == start)
+
+
+#: float32/float64 norm backwards on rows of PAIR_BYTES and more whose
+#: dweight/dbias chunks hold this many rows or more (on average) run two rows at a
+#: time within each chunk (``_norm_bwd_pairs``): the weight is loaded, and the
+#: partial rows read and written, once per two rows. Shorter chunks keep the one
+#: pipeline through them all. ab.py --evict 64 against one row at a time, AMD EPYC,
+#: 2026-12-06: float32 4096x4096 1.03-1.04x, 1024x16384 1.05x, 1024x4096
+#: 1.08-1.12x; float64 2048x4096 and 4096x2048 1.03-1.05x; bfloat16 1024x16384
+#: 0.95-1.02x, so not the half types (a micro with one partial row per thread
+#: had float32 1.07-1.17x).
+PAIR_CHUNK_ROWS = 16
+
+
+@_row
+def _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end):
+    """Rows start..end-1, one dweight/dbias chunk (partial rows wpart, bpart), of a
+    norm backward two rows at a time (see PAIR_BYTES): rows start and start + 1
+    take their sums on their own, each pass stores two rows (dx, and both rows'
+    terms into the partials, in row order) and sums the next two, and the last two
+    or three rows are stored on their own. The lanes and operations of
+    ``_norm_bwd_rows``' stage, row by row: the same bits. A chunk of fewer than 4
+    rows takes each row's two passes."""
+    inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
+    if end - start < 4:
+        for r in range(start, end):
+            _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r, r == start)
+        return
+    d0, m0 = _layer_norm_bwd_sums(_row_at(dy, start), _row_at(x, start), weight,
+                                  _stat(x, mean, start), acc(x, rstd[start]))
+    d1, m1 = _layer_norm_bwd_sums(_row_at(dy, start + 1), _row_at(x, start + 1), weight,
+                                  _stat(x, mean, start + 1), acc(x, rstd[start + 1]))
+    r = start
+    while r + 3 < end:
+        dy0, dy1 = _row_at(dy, r), _row_at(dy, r + 1)
+        s0, g0, s1, g1 = _norm_bwd_stage2_at(
+            x.shape[2], _data(dy0), _data(_row_at(x, r)), _data(dy1), _data(_row_at(x, r + 1)),
+            _data(weight), _stat(x, mean, r), acc(x, rstd[r]), d0, _gmean_of(x, mean, m0),
+            _stat(x, mean, r + 1), acc(x, rstd[r + 1]), d1, _gmean_of(x, mean, m1),
+            _data(_target(_row_at(dx, r), dy0)), _data(_target(_row_at(dx, r + 1), dy1)),
+            _data(wpart), _data(bpart), r == start,
+            _data(_row_at(dy, r + 2)), _data(_row_at(x, r + 2)), _stat(x, mean, r + 2),
+            _data(_row_at(dy, r + 3)), _data(_row_at(x, r + 3)), _stat(x, mean, r + 3))
+        d0, m0 = acc(x, rstd[r + 2]) * s0 * inv_cols, g0 * inv_cols
+        d1, m1 = acc(x, rstd[r + 3]) * s1 * inv_cols, g1 * inv_cols
+        r += 2
+    _layer_norm_bwd_store(_row_at(dy, r), _row_at(x, r), weight, _stat(x, mean, r),
+                          acc(x, rstd[r]), d0, _gmean_of(x, mean, m0), _row_at(dx, r), wpart,
+                          bpart, False)
+    _layer_norm_bwd_store(_row_at(dy, r + 1), _row_at(x, r + 1), weight, _stat(x, mean, r + 1),
+                          acc(x, rstd[r + 1]), d1, _gmean_of(x, mean, m1), _row_at(dx, r + 1),
+                          wpart, bpart, False)
+    if end - r == 3:
+        _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r + 2, False)
+
+
+@_row
+def _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r, first):
+    """Row r of a norm backward (RMSNorm: mean None) on its own: its sums, then its
+    store (dx and the partials), as the pipelined rows' first and last."""
+    m = _stat(x, mean, r)
+    dot, gmean = _layer_norm_bwd_sums(_row_at(dy, r), _row_at(x, r), weight, m, acc(x, rstd[r]))
+    _layer_norm_bwd_store(_row_at(dy, r), _row_at(x, r), weight, m, acc(x, rstd[r]), dot,
+                          _gmean_of(x, mean, gmean), _row_at(dx, r), wpart, bpart, first)
+
+
+@_lanes_fn
+def _norm_bwd_stage2_at(n, dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0,
+                        meanc1, rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias, first,
+                        dya0, xa0, meana0, dya1, xa1, meana1):
+    """Two rows' ``_norm_bwd_stage_at`` in one pass (``_norm_bwd_pairs``): stores
+    rows c0 and c1 (c0's terms into the partials first, ``first`` for c0 only) and
+    returns the sums of rows a0 and a1, long rows by the same blocks (WIDE_COLS)."""
+    _no_alias_args("xc0 xc1 weight dweight dbias dya0 xa0 dya1 xa1")
+    if n < WIDE_COLS:
+        return _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0,
+                               meanc1, rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias,
+                               first, dya0, xa0, meana0, dya1, xa1, meana1, 0, n)
+    t = _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0, meanc1,
+                        rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias, first, dya0, xa0,
+                        meana0, dya1, xa1, meana1, 0, WIDE_BLOCK)
+    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+        u = _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0,
+                            meanc1, rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias, first,
+                            dya0, xa0, meana0, dya1, xa1, meana1, c0, min(n, c0 + WIDE_BLOCK))
+        t = (t[0] + u[0], t[1] + u[1], t[2] + u[2], t[3] + u[3])
+    return t
+
+
+@_row
+def _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0, meanc1,
+                    rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias, first, dya0, xa0,
+                    meana0, dya1, xa1, meana1, c0, c1):
+    s0 = g0 = s1 = g1 = lanes_zeros(xc0)
+    step = lanes_count(s0)
+    for c in range(c0, c1 - step + 1, step):
+        _norm_bwd_block(dyc0, xc0, weight, meanc0, rstdc0, dotc0, gmeanc0, dxc0, dweight, dbias,
+                        first, c, step)
+        _norm_bwd_block(dyc1, xc1, weight, meanc1, rstdc1, dotc1, gmeanc1, dxc1, dweight, dbias,
+                        False, c, step)
+        s0, g0 = _grad_sums_block(dya0, weight, xa0, meana0, s0, g0, c, step)
+        s1, g1 = _grad_sums_block(dya1, weight, xa1, meana1, s1, g1, c, step)
+    if (c1 - c0) % step:
+        c, k = c1 - (c1 - c0) % step, (c1 - c0) % step
+        s0, g0 = _grad_sums_block(dya0, weight, xa0, meana0, s0, g0, c, k)
+        s1, g1 = _grad_sums_block(dya1, weight, xa1, meana1, s1, g1, c, k)
+        _norm_bwd_block(dyc0, xc0, weight, meanc0, rstdc0, dotc0, gmeanc0, dxc0, dweight, dbias,
+                        first, c, k)
+        _norm_bwd_block(dyc1, xc1, weight, meanc1, rstdc1, dotc1, gmeanc1, dxc1, dweight, dbias,
+                        False, c, k)
+    return lanes_sum(s0), lanes_sum(g0), lanes_sum(s1), lanes_sum(g1)
 
 
 @njit(inline='always')

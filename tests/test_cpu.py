@@ -1360,6 +1360,63 @@ def _norm_bwd_by_driver(op, d, kernels, inplace=False, threads=2):
     return dx, grads[0], grads[1]
 
 
+def _partials_in_row_order(d, op, chunks):
+    """dweight (and dbias) as the row path adds them, in NumPy: each term
+    dy * xhat (dy) rounded in the accumulator type, added into its chunk's partial
+    row in row order, the partials summed in chunk order, rounded once."""
+    acc_t = acc_dtype(d["x"].dtype)
+    x, dy = d["x"].astype(acc_t), d["dy"].astype(acc_t)
+    centered = x if op == "rms_norm_bwd" else x - d["mean"][:, None]
+    terms = [dy * (centered * d["rstd"][:, None])] + ([dy] if op == "layer_norm_bwd" else [])
+    rows = x.shape[0]
+    out = []
+    for t in terms:
+        total = None
+        for k in range(chunks):
+            lo, hi = k * rows // chunks, (k + 1) * rows // chunks
+            part = t[lo].copy()
+            for r in range(lo + 1, hi):
+                part = part + t[r]
+            total = part if total is None else total + part
+        out.append(total.astype(d["x"].dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+@pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
+def test_norm_bwd_pairs_bits_equal_row_path(rng, op, dtype):
+    """float32 norm backwards two rows at a time within each dweight/dbias chunk
+    (rows of cpu.PAIR_BYTES, chunks of cpu.PAIR_CHUNK_ROWS rows and more; 16-17
+    rows here, so both leftovers; bfloat16 keeps one row at a time): every row's dx
+    has the bits of the row alone, and dweight and dbias those of the row path's
+    order (each chunk's rows in turn), in place too and in 2 or 3 thread groups;
+    the values match the reference."""
+    rows, cols = 530, cpu.PAIR_BYTES // 2 + 37
+    chunks = cpu.param_chunks(rows, cols)
+    assert rows >= cpu.PAIR_CHUNK_ROWS * chunks
+    x, dy = draw(rng, (rows, cols), dtype, loc=0.3), draw(rng, (rows, cols), dtype)
+    w = draw_param(rng, cols, "x", dtype)
+    b = draw_param(rng, cols, "x", dtype, loc=0.0)
+    if op == "rms_norm_bwd":
+        d = dict(dy=dy, x=x, weight=w, rstd=nf.rms_norm_fwd(x, w)[1])
+    else:
+        _, mean, rstd = nf.layer_norm_fwd(x, w, b)
+        d = dict(dy=dy, x=x, weight=w, bias=b, mean=mean, rstd=rstd)
+    with cpu.forced(False):
+        alone = np.stack([call_op(op, {k: (v[r:r + 1] if k in ("dy", "x", "mean", "rstd")
+                                            else v) for k, v in d.items()})[0][0]
+                          for r in range(rows)])
+    dw = _partials_in_row_order(d, op, chunks)
+    first = None
+    for inplace, threads in ((False, 2), (True, 3)):
+        got = _norm_bwd_by_driver(op, d, cpu.PARALLEL, inplace, threads)
+        assert_bits_equal(got[0], alone, f"dx, in place={inplace}, {threads} groups")
+        for g, e, name in zip(got[1:], dw, ("dweight", "dbias")):
+            assert_bits_equal(g, e, f"{name}, in place={inplace}, {threads} groups")
+        first = first or got
+    check_op(op, d, first)
+
+
 #: (op, dtype, params) of the column-blocked backward tests: every dtype with all
 #: parameters, the other parameter sets in float32 and bfloat16 (each case compiles
 #: kernels of its own: the full product cost ~4 min of CI)
