@@ -119,6 +119,15 @@ def _wide_for_halves(typingctx, a):
 #: through the typed helpers below (_times, _plus, _vadd_into), never through
 #: ``is not None`` branches, which inlined code cannot prune.
 _row = njit(nogil=True, error_model='numpy', inline='always')
+#: the paths that run only on long rows: the norm backwards' pipeline
+#: (``_norm_bwd_rows``, rows of BWD_PIPELINE_BYTES and more; float16/bfloat16 from
+#: HALF_BWD_PIPELINE_COLS) and the norms two rows at a time (``_paired``). Compiled
+#: once per signature, for the serial and the parallel builds alike, and called
+#: (~0.2 us with array arguments, once per thread's rows or dweight chunk, against
+#: >= 1 us a row). Inlined into every driver they were compiled for each build and
+#: each driver signature: a cold float32 ``warmup`` took 276 s, 244 s with the
+#: pairs out of line, 221 s with ``_norm_bwd_rows`` too (2026-12-06, AMD EPYC).
+_long_rows_fn = njit(cache=True, nogil=True, error_model='numpy')
 
 #: calls with fewer elements than this run the serial kernels: where a 2-thread
 #: parallel launch (~2 us) stopped paying on the project's 2-core machine (measured
@@ -248,6 +257,10 @@ def _vadd_into_impl(total, c, v, k, first):
 #: backwards, whose row path ran one thread per dweight partial (one for 4 rows
 #: of 1M columns), and the norm forwards on fewer rows than threads (a row per
 #: thread on the row path). The softmax is row by row (its exp sum is not blocked).
+#: In the ``*_at`` functions a long row's sums start from -0.0, the identity of
+#: addition, so the blocks' loop holds the span once (twice with the span spelled
+#: out for shorter rows, where a blocks loop ran 0.84-0.92x): three copies of
+#: each span were a third of the stages' compile time (2026-12-06).
 WIDE_COLS = 1 << 16
 WIDE_BLOCK = 1 << 13
 #: a norm forward runs column-blocked from this many columns (and fewer rows than
@@ -407,8 +420,8 @@ def _sum_sq_at(n, x, center):
     WIDE_COLS)."""
     if n < WIDE_COLS:
         return _sum_sq_span(x, center, 0, n)
-    ss, sd = _sum_sq_span(x, center, 0, WIDE_BLOCK)
-    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+    ss = sd = acc(x, -0.0)
+    for c0 in range(0, n, WIDE_BLOCK):
         a, b = _sum_sq_span(x, center, c0, min(n, c0 + WIDE_BLOCK))
         ss, sd = ss + a, sd + b
     return ss, sd
@@ -443,8 +456,8 @@ def _moments_at(n, x, center, scale):
     WIDE_COLS)."""
     if n < WIDE_COLS:
         return _moments_span(x, center, scale, 0, n)
-    sm, ss, sd = _moments_span(x, center, scale, 0, WIDE_BLOCK)
-    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+    sm = ss = sd = acc(x, -0.0)
+    for c0 in range(0, n, WIDE_BLOCK):
         a, b, d = _moments_span(x, center, scale, c0, min(n, c0 + WIDE_BLOCK))
         sm, ss, sd = sm + a, ss + b, sd + d
     return sm, ss, sd
@@ -484,8 +497,8 @@ def _grad_sums_at(n, dy, weight, x, center):
     (see WIDE_COLS)."""
     if n < WIDE_COLS:       # one block: spelled out, the loop as it was (a blocks
         return _grad_sums_span(dy, weight, x, center, 0, n)   # loop: 0.84-0.92x)
-    dot, gsum = _grad_sums_span(dy, weight, x, center, 0, WIDE_BLOCK)
-    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+    dot = gsum = acc(x, -0.0)
+    for c0 in range(0, n, WIDE_BLOCK):
         d, g = _grad_sums_span(dy, weight, x, center, c0, min(n, c0 + WIDE_BLOCK))
         dot, gsum = dot + d, gsum + g
     return dot, gsum
@@ -749,8 +762,8 @@ def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero):
     long rows by blocks), on data pointers (see ``_lanes_fn``)."""
     if n < WIDE_COLS:
         return _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, 0, n)
-    total = _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, 0, WIDE_BLOCK)
-    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+    total = acc(ya, -0.0)
+    for c0 in range(0, n, WIDE_BLOCK):
         total += _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0,
                                          min(n, c0 + WIDE_BLOCK))
     return total
@@ -803,8 +816,8 @@ def _rms_norm_fwd_stage_at(n, xa, xc, weight, rstd, yc):
     long row by blocks (see WIDE_COLS)."""
     if n < WIDE_COLS:
         return _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, 0, n)
-    ss = _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, 0, WIDE_BLOCK)
-    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+    ss = acc(xa, -0.0)
+    for c0 in range(0, n, WIDE_BLOCK):
         ss += _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, min(n, c0 + WIDE_BLOCK))
     return ss
 
@@ -875,13 +888,14 @@ def _paired(x, lo, hi):
     return x.shape[2] * x.itemsize >= PAIR_BYTES and hi - lo >= 4
 
 
-@_row
+@_long_rows_fn
 def _rms_norm_fwd_pairs(x, weight, eps, y, rstd, lo, hi):
     """``_rms_norm_fwd_rows`` two rows at a time (see PAIR_BYTES): rows lo and lo + 1
     take their sums on their own, each pass stores two rows and sums the next two,
     and the last two or three rows are stored on their own (the third takes its
     sum first). Each row's sums and store have the lanes and operations of the
     one-row pipeline: the same bits."""
+    _wide_for_halves(x)      # as the drivers: the stores' loops are compiled here
     for r in range(lo, lo + 2):
         rstd[r] = _rms_norm_rstd(_row_at(x, r), _sum_sq(_row_at(x, r), acc(x, 0.0))[0], eps)
     r = lo
@@ -909,9 +923,8 @@ def _rms_norm_fwd_stage2_at(n, xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc
     _no_alias_args("xa0 xa1 xc0 xc1 weight")
     if n < WIDE_COLS:
         return _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, 0, n)
-    s0, s1 = _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, 0,
-                                 WIDE_BLOCK)
-    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+    s0 = s1 = acc(xa0, -0.0)
+    for c0 in range(0, n, WIDE_BLOCK):
         a, b = _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, c0,
                                    min(n, c0 + WIDE_BLOCK))
         s0, s1 = s0 + a, s1 + b
@@ -1025,9 +1038,8 @@ def _layer_norm_fwd_stage_at(n, xa, m0, inv_cols, xc, weight, bias, mean, rstd, 
     if n < WIDE_COLS:
         return _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc,
                                           0, n)
-    sm, ss, sd = _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
-                                            yc, 0, WIDE_BLOCK)
-    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+    sm = ss = sd = acc(xa, -0.0)
+    for c0 in range(0, n, WIDE_BLOCK):
         a, b, d = _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
                                              yc, c0, min(n, c0 + WIDE_BLOCK))
         sm, ss, sd = sm + a, ss + b, sd + d
@@ -1081,10 +1093,11 @@ def _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, lo, hi):
     _layer_norm_store(_row_at(x, hi - 1), weight, bias, mc, rc, _row_at(y, hi - 1))
 
 
-@_row
+@_long_rows_fn
 def _layer_norm_fwd_pairs(x, weight, bias, eps, y, mean, rstd, lo, hi):
     """``_layer_norm_fwd_rows`` two rows at a time, as ``_rms_norm_fwd_pairs``: the
     same bits."""
+    _wide_for_halves(x)
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
     for r in range(lo, lo + 2):
         xa = _row_at(x, r)
@@ -1121,9 +1134,9 @@ def _layer_norm_fwd_stage2_at(n, xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight,
     if n < WIDE_COLS:
         return _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias,
                                      mean0, rstd0, mean1, rstd1, yc0, yc1, 0, n)
-    s = _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias, mean0,
-                              rstd0, mean1, rstd1, yc0, yc1, 0, WIDE_BLOCK)
-    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+    z = acc(xa0, -0.0)
+    s = (z, z, z, z, z, z)
+    for c0 in range(0, n, WIDE_BLOCK):
         t = _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias,
                                   mean0, rstd0, mean1, rstd1, yc0, yc1, c0,
                                   min(n, c0 + WIDE_BLOCK))
@@ -1174,8 +1187,11 @@ def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, db
     ~1.6x slower): the same bits, and on the AMD EPYC, 2026-12-05, from memory
     bfloat16 1024-2048 columns 1.12-1.34x, float16 1.00-1.15x, float32 0.97-1.13x;
     in cache 1.03-1.12x (small float32 calls 0.96-1.12x)."""
-    _norm_bwd_store_at(0, x.shape[0], _data(dy), _data(x), _data(weight), mean, rstd, dot,
-                       gmean, _data(_target(dx, dy)), _data(dweight), _data(dbias), first)
+    # np.intp(0) and first != False: plain int64 and bool, where a literal 0 or
+    # False compiled the callee again (62 of its 78 signatures in a CI run, 2026-12-06)
+    _norm_bwd_store_at(np.intp(0), x.shape[0], _data(dy), _data(x), _data(weight), mean,
+                       rstd, dot, gmean, _data(_target(dx, dy)), _data(dweight),
+                       _data(dbias), first != False)  # noqa: E712
 
 
 @_row
@@ -1186,7 +1202,7 @@ def _layer_norm_bwd_sums(dy, x, weight, mean, rstd):
     return rstd * dot * inv_cols, gsum * inv_cols
 
 
-@_row
+@_long_rows_fn
 def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1):
     """The rows of chunks k0..k1-1 (of ``chunks``; see ``_chunk_rows``) of a norm
     backward (LayerNorm; RMSNorm with mean None), software-pipelined as
@@ -1259,7 +1275,7 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
 PAIR_CHUNK_ROWS = 16
 
 
-@_row
+@_long_rows_fn
 def _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end):
     """Rows start..end-1, one dweight/dbias chunk (partial rows wpart, bpart), of a
     norm backward two rows at a time (see PAIR_BYTES): rows start and start + 1
@@ -1323,10 +1339,9 @@ def _norm_bwd_stage2_at(n, dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, 
         return _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0,
                                meanc1, rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias,
                                first, dya0, xa0, meana0, dya1, xa1, meana1, 0, n)
-    t = _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0, meanc1,
-                        rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias, first, dya0, xa0,
-                        meana0, dya1, xa1, meana1, 0, WIDE_BLOCK)
-    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+    z = acc(xc0, -0.0)
+    t = (z, z, z, z)
+    for c0 in range(0, n, WIDE_BLOCK):
         u = _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0,
                             meanc1, rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias, first,
                             dya0, xa0, meana0, dya1, xa1, meana1, c0, min(n, c0 + WIDE_BLOCK))
@@ -1377,9 +1392,8 @@ def _norm_bwd_stage_at(n, dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dwei
     if n < WIDE_COLS:
         return _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight,
                                     dbias, first, dya, xa, meana, 0, n)
-    s, g = _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight,
-                                dbias, first, dya, xa, meana, 0, WIDE_BLOCK)
-    for c0 in range(WIDE_BLOCK, n, WIDE_BLOCK):
+    s = g = acc(xc, -0.0)
+    for c0 in range(0, n, WIDE_BLOCK):
         t, u = _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight,
                                     dbias, first, dya, xa, meana, c0, min(n, c0 + WIDE_BLOCK))
         s, g = s + t, g + u
@@ -2370,6 +2384,14 @@ def _rows3_impl(a):
 
 
 @njit(inline='always')
+def _serial_threads():
+    """The serial drivers' thread count, typed int64: a literal 1 (Literal[int](1))
+    compiled a second copy of every serial driver signature that the small-call
+    entries reach (54 of the 289 driver signatures a CI run compiled, 2026-12-06)."""
+    return np.int64(1)
+
+
+@njit(inline='always')
 def _eps_ok(eps):
     return eps >= 0.0 and eps < np.inf
 
@@ -2379,30 +2401,31 @@ def small_softmax_fwd(x, y):
     rows, cols = x.shape
     _require(rows * cols > 0)
     if cols > _long_cols(x):       # the path depends on the columns alone (long_cols)
-        _serial_softmax_fwd_long(_rows3(x), _rows3(y), 1)
+        _serial_softmax_fwd_long(_rows3(x), _rows3(y), _serial_threads())
     else:
-        _serial_softmax_fwd(_rows3(x), _rows3(y), 1)
+        _serial_softmax_fwd(_rows3(x), _rows3(y), _serial_threads())
 
 
 @_small
 def small_softmax_bwd(y, dy, dx):
     rows, cols = y.shape
     _require(rows * cols > 0 and dy.shape == y.shape)
-    _serial_softmax_bwd(_rows3(y), _rows3(dy), _rows3(dx), 1)
+    _serial_softmax_bwd(_rows3(y), _rows3(dy), _rows3(dx), _serial_threads())
 
 
 @_small
 def small_rms_norm_fwd(x, weight, eps, y, rstd):
     rows, cols = x.shape
     _require(rows * cols > 0 and _fits(weight, cols) and _eps_ok(eps))
-    _serial_rms_norm_fwd(_rows3(x), weight, eps, _rows3(y), rstd, 1)
+    _serial_rms_norm_fwd(_rows3(x), weight, eps, _rows3(y), rstd, _serial_threads())
 
 
 @_small
 def small_layer_norm_fwd(x, weight, bias, eps, y, mean, rstd):
     rows, cols = x.shape
     _require(rows * cols > 0 and _fits(weight, cols) and _fits(bias, cols) and _eps_ok(eps))
-    _serial_layer_norm_fwd(_rows3(x), weight, bias, eps, _rows3(y), mean, rstd, 1)
+    _serial_layer_norm_fwd(_rows3(x), weight, bias, eps, _rows3(y), mean, rstd,
+                           _serial_threads())
 
 
 @_small
@@ -2412,7 +2435,8 @@ def small_rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
              and _fits(weight, cols))
     chunks = _chunks_for(rows, cols, weight, None)
     _serial_rms_norm_bwd(_rows3(dy), _rows3(x), weight, rstd, _rows3(dx),
-                         _parts_for(weight, x, chunks, cols), chunks, dweight, 1)
+                         _parts_for(weight, x, chunks, cols), chunks, dweight,
+                         _serial_threads())
 
 
 @_small
@@ -2423,7 +2447,8 @@ def small_layer_norm_bwd(dy, x, weight, bias, mean, rstd, dx, dweight, dbias):
     chunks = _chunks_for(rows, cols, weight, bias)
     _serial_layer_norm_bwd(_rows3(dy), _rows3(x), weight, mean, rstd, _rows3(dx),
                            _parts_for(weight, x, chunks, cols),
-                           _parts_for(bias, x, chunks, cols), chunks, dweight, dbias, 1)
+                           _parts_for(bias, x, chunks, cols), chunks, dweight, dbias,
+                           _serial_threads())
 
 
 #: the small-call entries by kernel name (each applies below SMALL_BELOW[name])
