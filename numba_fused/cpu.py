@@ -884,7 +884,8 @@ PAIR_BYTES = 1 << 14
 
 @njit(inline='always')
 def _paired(x, lo, hi):
-    """Whether rows lo..hi-1 of a norm forward go two at a time (PAIR_BYTES)."""
+    """Whether rows lo..hi-1 of a norm forward go two at a time (PAIR_BYTES); the
+    backwards' rule: ``_bwd_paired``."""
     return x.shape[2] * x.itemsize >= PAIR_BYTES and hi - lo >= 4
 
 
@@ -955,19 +956,6 @@ def _norm_dx(g, xhat, rstd, dot, gmean):
     the two row constants are loop-invariant). RMSNorm's is LayerNorm's with gmean 0.
     g, xhat may be lanes."""
     return _fms(rstd, g, _fma(rstd * dot, xhat, rstd * gmean))
-
-
-@_row
-def _rms_norm_bwd_row(dy, x, weight, rstd, dx, dweight, first):
-    """With xhat = x * rstd, g = dy * weight:
-    dx = rstd * (g - xhat * mean(g * xhat)); dweight += dy * xhat (= on the
-    chunk's ``first`` row, so partial rows need no zeroing). dx None: into dy.
-    LayerNorm's two passes with mean None (no subtraction), mean(g) 0 and no
-    dbias: the same operations, so the bits of the pipelined rows' stage."""
-    rstd = acc(x, rstd)
-    dot, _ = _layer_norm_bwd_sums(dy, x, weight, None, rstd)
-    _layer_norm_bwd_store(dy, x, weight, None, rstd, dot, acc(x, 0.0), dx, dweight, None,
-                          first)
 
 
 # ---------------------------------------------------------------- LayerNorm
@@ -1167,19 +1155,8 @@ def _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias, 
 
 
 @_row
-def _layer_norm_bwd_row(dy, x, weight, mean, rstd, dx, dweight, dbias, first):
-    """With xhat = (x - mean) * rstd, g = dy * weight:
-    dx = rstd * (g - xhat * mean(g * xhat) - mean(g));
-    dweight += dy * xhat; dbias += dy (= on the chunk's ``first`` row).
-    dx None: written into dy."""
-    mean, rstd = acc(x, mean), acc(x, rstd)
-    dot, gmean = _layer_norm_bwd_sums(dy, x, weight, mean, rstd)
-    _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first)
-
-
-@_row
 def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first):
-    """The store pass of ``_layer_norm_bwd_row``, given the row's sums: the
+    """The store pass of ``_norm_bwd_two_passes``, given the row's sums: the
     pipelined stage's store (``_norm_bwd_store_at``, dx, dweight and dbias in one
     loop of lanes). With mean None, gmean 0 and dbias None it is RMSNorm's (its
     x - 0 would be exact). It replaced an element loop that LLVM vectorized, with
@@ -1233,7 +1210,7 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
     """
     rows = x.shape[0] * x.shape[1]
     lo, hi = _chunk_rows(k0, rows, chunks)[0], _chunk_rows(k1 - 1, rows, chunks)[1]
-    if _paired(x, lo, hi) and x.itemsize >= 4 and (hi - lo) >= PAIR_CHUNK_ROWS * (k1 - k0):
+    if _bwd_paired(x, hi - lo, k1 - k0):
         for k in range(k0, k1):
             start, end = _chunk_rows(k, rows, chunks)
             _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, _row_of(wparts, k),
@@ -1273,6 +1250,15 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
 #: 0.95-1.02x, so not the half types (a micro with one partial row per thread
 #: had float32 1.07-1.17x).
 PAIR_CHUNK_ROWS = 16
+
+
+@njit(inline='always')
+def _bwd_paired(x, rows, chunks):
+    """Whether ``rows`` rows in ``chunks`` dweight/dbias chunks of a norm backward
+    go two at a time: float32/float64 rows of PAIR_BYTES and more, PAIR_CHUNK_ROWS
+    rows a chunk or more on average."""
+    return (x.itemsize >= 4 and x.shape[2] * x.itemsize >= PAIR_BYTES
+            and rows >= PAIR_CHUNK_ROWS * chunks)
 
 
 @_long_rows_fn
@@ -1319,8 +1305,13 @@ def _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end):
 
 @_row
 def _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r, first):
-    """Row r of a norm backward (RMSNorm: mean None) on its own: its sums, then its
-    store (dx and the partials), as the pipelined rows' first and last."""
+    """Row r of a norm backward on its own: its sums, then its store, with the
+    operations of the pipelined rows' stage (the same bits). With
+    xhat = (x - mean) * rstd, g = dy * weight:
+    dx = rstd * (g - xhat * mean(g * xhat) - mean(g)); wpart += dy * xhat and
+    bpart += dy (= on the chunk's ``first`` row: partial rows need no zeroing).
+    RMSNorm: mean None (no subtraction, no mean(g) term) and bpart None. dx None:
+    written into dy (in place)."""
     m = _stat(x, mean, r)
     dot, gmean = _layer_norm_bwd_sums(_row_at(dy, r), _row_at(x, r), weight, m, acc(x, rstd[r]))
     _layer_norm_bwd_store(_row_at(dy, r), _row_at(x, r), weight, m, acc(x, rstd[r]), dot,
@@ -1675,7 +1666,7 @@ def _rows_pipelined(x):
 @overload(_rows_pipelined)
 def _rows_pipelined_impl(x):
     """Whether a norm backward runs its rows pipelined (``_norm_bwd_rows``) rather
-    than one row's two passes after the other (``*_bwd_row``): float32/float64
+    than one row's two passes after the other (``_norm_bwd_two_passes``): float32/float64
     rows of BWD_PIPELINE_BYTES or more, float16/bfloat16 rows of
     HALF_BWD_PIPELINE_COLS columns or more (a function of the signature and the
     shape; the bits are the same either way). Measured on the AMD EPYC,
@@ -2009,9 +2000,8 @@ def _build(loop):
                 for k in range(k0, k1):
                     start, end = _chunk_rows(k, rows, chunks)
                     for r in range(start, end):
-                        _rms_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, rstd[r],
-                                          _row_at(dx, r), _row_of(dweight_parts, k),
-                                          r == start)
+                        _norm_bwd_two_passes(dy, x, weight, None, rstd, dx,
+                                             _row_of(dweight_parts, k), None, r, r == start)
         # the partials' sum: by column blocks in parallel when there are many
         blocks = _sum_blocks(dweight_parts) if parallel else 0
         if blocks:
@@ -2034,9 +2024,9 @@ def _build(loop):
                 for k in range(k0, k1):
                     start, end = _chunk_rows(k, rows, chunks)
                     for r in range(start, end):
-                        _layer_norm_bwd_row(_row_at(dy, r), _row_at(x, r), weight, mean[r],
-                                            rstd[r], _row_at(dx, r), _row_of(dweight_parts, k),
-                                            _row_of(dbias_parts, k), r == start)
+                        _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx,
+                                             _row_of(dweight_parts, k),
+                                             _row_of(dbias_parts, k), r, r == start)
         blocks = max(_sum_blocks(dweight_parts), _sum_blocks(dbias_parts)) if parallel else 0
         if blocks:
             sum_partials_by_blocks(dweight_parts, dweight, dbias_parts, dbias, blocks)

@@ -579,15 +579,18 @@ def test_inplace_backward_kernel_is_vectorized(op):
     from numba import njit
     from numba_fused import cpu
     import re
-    fn = {"softmax_bwd": cpu._softmax_bwd_store, "rms_norm_bwd": cpu._rms_norm_bwd_row,
-          "layer_norm_bwd": cpu._layer_norm_bwd_row}[op]
+    fn = {"softmax_bwd": cpu._softmax_bwd_store, "rms_norm_bwd": cpu._norm_bwd_two_passes,
+          "layer_norm_bwd": cpu._norm_bwd_two_passes}[op]
     for st in (np.float32, np.uint16):
         row = np.ones(256, st)
+        rows = row.reshape(1, 1, 256)
         w = np.ones(256, np.float32)
+        stat = np.ones(1, np.float32)
         args = {"softmax_bwd": (row, row.copy(), np.float32(0.5), None),
-                "rms_norm_bwd": (row, row.copy(), w, np.float32(1), None, w.copy(), True),
-                "layer_norm_bwd": (row, row.copy(), w, np.float32(0), np.float32(1), None,
-                                   w.copy(), w.copy(), True)}[op]
+                "rms_norm_bwd": (rows, rows.copy(), w, None, stat, None, w.copy(), None, 0,
+                                 True),
+                "layer_norm_bwd": (rows, rows.copy(), w, stat * 0, stat, None, w.copy(),
+                                   w.copy(), 0, True)}[op]
         fresh = njit(error_model="numpy")(fn.py_func)   # cached code cannot be inspected
         fresh(*args)
         asm = fresh.inspect_asm(fresh.signatures[0])
@@ -663,10 +666,9 @@ def _fwd_by_driver(op, d, threads, kernels=cpu.PARALLEL):
     ``kernels`` (cpu.BLOCKED: the column-blocked kernel)."""
     from numba_fused import _dtypes as D
     x = d["x"]
-    D.load_bfloat16()          # the public calls register bfloat16 on first sight
     st = lambda a: None if a is None else D.to_storage(a)
     y = np.empty_like(x)
-    k, rows = kernels[op], lambda a: st(a)[None]
+    k, rows = kernels[op], _rows_storage
     if op == "softmax_fwd":
         k(rows(x), rows(y), threads)
         return (y,)
@@ -1393,8 +1395,8 @@ def test_norm_bwd_pairs_bits_equal_row_path(rng, op, dtype):
     the values match the reference."""
     rows, cols = 530, cpu.PAIR_BYTES // 2 + 37
     chunks = cpu.param_chunks(rows, cols)
-    assert rows >= cpu.PAIR_CHUNK_ROWS * chunks
     x, dy = draw(rng, (rows, cols), dtype, loc=0.3), draw(rng, (rows, cols), dtype)
+    assert cpu._bwd_paired(_rows_storage(x), rows, chunks) == (dtype == F32)
     w = draw_param(rng, cols, "x", dtype)
     b = draw_param(rng, cols, "x", dtype, loc=0.0)
     if op == "rms_norm_bwd":
