@@ -1208,14 +1208,10 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
     while that row path stored element by element (in lanes it has won below
     4096 columns from memory since: see _rows_pipelined).
     """
+    if _norm_bwd_chunk_pairs(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1):
+        return
     rows = x.shape[0] * x.shape[1]
     lo, hi = _chunk_rows(k0, rows, chunks)[0], _chunk_rows(k1 - 1, rows, chunks)[1]
-    if _bwd_paired(x, hi - lo, k1 - k0):
-        for k in range(k0, k1):
-            start, end = _chunk_rows(k, rows, chunks)
-            _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, _row_of(wparts, k),
-                            _row_of(bparts, k), start, end)
-        return
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
     dot, gmean = _layer_norm_bwd_sums(_row_at(dy, lo), _row_at(x, lo), weight,
                                       _stat(x, mean, lo), acc(x, rstd[lo]))
@@ -1259,6 +1255,32 @@ def _bwd_paired(x, rows, chunks):
     rows a chunk or more on average."""
     return (x.itemsize >= 4 and x.shape[2] * x.itemsize >= PAIR_BYTES
             and rows >= PAIR_CHUNK_ROWS * chunks)
+
+
+def _norm_bwd_chunk_pairs(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1):
+    raise NotImplementedError
+
+
+@overload(_norm_bwd_chunk_pairs)
+def _norm_bwd_chunk_pairs_impl(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0,
+                               k1):
+    """Chunks k0..k1-1 of a norm backward two rows at a time (``_norm_bwd_pairs``)
+    where ``_bwd_paired`` says so; returns whether it ran them. float16/bfloat16
+    never pair, decided in typing: their backwards do not compile the pairs."""
+    if x.dtype.bitwidth < 32:
+        return lambda dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1: False
+
+    def impl(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1):
+        rows = x.shape[0] * x.shape[1]
+        lo, hi = _chunk_rows(k0, rows, chunks)[0], _chunk_rows(k1 - 1, rows, chunks)[1]
+        if not _bwd_paired(x, hi - lo, k1 - k0):
+            return False
+        for k in range(k0, k1):
+            start, end = _chunk_rows(k, rows, chunks)
+            _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, _row_of(wparts, k),
+                            _row_of(bparts, k), start, end)
+        return True
+    return impl
 
 
 @_long_rows_fn
