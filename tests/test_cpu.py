@@ -426,6 +426,33 @@ def test_small_call_entry(rng, monkeypatch, op, dtype, shape, params):
     _check_like_general(op, d, small, general, "small call")
 
 
+def test_compiled_callees_take_no_literal_types(rng):
+    """The small-call entries and the row functions call the serial drivers and the
+    backward store with plain int64/bool arguments (``cpu._serial_threads``): a
+    literal 1, 0 or False in a call from compiled code compiled the callee once
+    more per signature (one suite run, 2026-12-06: 54 of 289 driver signatures,
+    62 of the store's 78). Fresh copies of the callers are typed here, so the
+    callees see the argument types whether or not the cache had them."""
+    from numba import njit
+    from numba.core import types
+    x, w, mean, rstd = _small_args(rng)
+    nf.softmax_bwd(nf.softmax_fwd(x), x)
+    nf.rms_norm_bwd(x, x, w, nf.rms_norm_fwd(x, w)[1])
+    nf.layer_norm_bwd(x, x, w, w, mean, rstd)
+    for entry in cpu.SMALL.values():
+        assert entry.signatures
+        for sig in entry.signatures:
+            njit(error_model="numpy")(entry.py_func).compile(sig)
+    rows = x.reshape(1, *x.shape)
+    njit(error_model="numpy")(cpu._norm_bwd_two_passes.py_func)(
+        rows, rows.copy(), w, mean, rstd, None, w.copy(), w.copy(), 0, True)
+    callees = [*cpu.SERIAL.values(), cpu._norm_bwd_store_at]
+    assert all(k.signatures for k in callees)
+    literal = [(k.py_func.__name__, sig) for k in callees for sig in k.signatures
+               if any(isinstance(t, types.Literal) for t in sig)]
+    assert not literal
+
+
 def test_small_call_publishes_only_compiled_entries():
     """A first call above the size limit binds the limit but no entry: an entry
     is used only once a signature is compiled and compilation is disabled again
