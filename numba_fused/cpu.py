@@ -1208,10 +1208,12 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
     while that row path stored element by element (in lanes it has won below
     4096 columns from memory since: see _rows_pipelined).
     """
-    if _norm_bwd_chunk_pairs(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1):
-        return
     rows = x.shape[0] * x.shape[1]
     lo, hi = _chunk_rows(k0, rows, chunks)[0], _chunk_rows(k1 - 1, rows, chunks)[1]
+    if _bwd_paired(x, hi - lo, k1 - k0):
+        _norm_bwd_chunks_paired(dy, x, weight, mean, rstd, dx, wparts, bparts, rows, chunks,
+                                k0, k1)
+        return
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
     dot, gmean = _layer_norm_bwd_sums(_row_at(dy, lo), _row_at(x, lo), weight,
                                       _stat(x, mean, lo), acc(x, rstd[lo]))
@@ -1257,29 +1259,25 @@ def _bwd_paired(x, rows, chunks):
             and rows >= PAIR_CHUNK_ROWS * chunks)
 
 
-def _norm_bwd_chunk_pairs(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1):
+def _norm_bwd_chunks_paired(dy, x, weight, mean, rstd, dx, wparts, bparts, rows, chunks, k0,
+                            k1):
     raise NotImplementedError
 
 
-@overload(_norm_bwd_chunk_pairs)
-def _norm_bwd_chunk_pairs_impl(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0,
-                               k1):
-    """Chunks k0..k1-1 of a norm backward two rows at a time (``_norm_bwd_pairs``)
-    where ``_bwd_paired`` says so; returns whether it ran them. float16/bfloat16
-    never pair, decided in typing: their backwards do not compile the pairs."""
+@overload(_norm_bwd_chunks_paired)
+def _norm_bwd_chunks_paired_impl(dy, x, weight, mean, rstd, dx, wparts, bparts, rows, chunks,
+                                 k0, k1):
+    """Chunks k0..k1-1 of a norm backward two rows at a time (``_norm_bwd_pairs``).
+    Nothing for float16/bfloat16, which ``_bwd_paired`` never pairs: decided in
+    typing, so their backwards do not compile the pairs."""
     if x.dtype.bitwidth < 32:
-        return lambda dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1: False
+        return lambda dy, x, weight, mean, rstd, dx, wparts, bparts, rows, chunks, k0, k1: None
 
-    def impl(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1):
-        rows = x.shape[0] * x.shape[1]
-        lo, hi = _chunk_rows(k0, rows, chunks)[0], _chunk_rows(k1 - 1, rows, chunks)[1]
-        if not _bwd_paired(x, hi - lo, k1 - k0):
-            return False
+    def impl(dy, x, weight, mean, rstd, dx, wparts, bparts, rows, chunks, k0, k1):
         for k in range(k0, k1):
             start, end = _chunk_rows(k, rows, chunks)
             _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, _row_of(wparts, k),
                             _row_of(bparts, k), start, end)
-        return True
     return impl
 
 
