@@ -26,7 +26,8 @@ Arrays are C-contiguous 1-D arrays or their data pointers (``data(a)``).
 * ``lanes_load(arr, c, k)`` -- arr[c:c+k] widened to the accumulator type, k <=
   the lane count; lanes k and up are 0. ``lanes_load_like(arr, c, k, v)``: in v's type.
 * ``lanes_store(arr, c, v, k)`` -- arr[c:c+k] = the first k lanes of v, rounded
-  to arr's storage type once.
+  to arr's storage type once. arr may be ``streaming(row, on)``: whole blocks on
+  a 64-byte boundary then go out in non-temporal stores while ``on``.
 * ``lanes_keep(v, k, fill)`` -- lanes k and up replaced by ``fill``.
 * ``lanes_sum(v)``, ``lanes_max(v)`` -- tree sum, IEEE maximum (NaN propagates).
 * ``+``, ``-``, ``*`` between lanes and lanes or a scalar (splatted), and the
@@ -162,12 +163,60 @@ def _part_pointers(builder, ptr, part_ty):
             for i in range(PARTS)]
 
 
+class Stream(types.Type):
+    """An output row's data pointer and whether ``lanes_store`` may write it with
+    non-temporal stores (``streaming``)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        super().__init__(name=f"Stream({dtype})")
+
+
+@register_model(Stream)
+class _StreamModel(models.StructModel):
+    def __init__(self, dmm, fe_type):
+        # 'on' as a byte: a boolean member (i1 as a value, i8 in memory) broke
+        # parfors, which store the value where the data layout is expected
+        super().__init__(dmm, fe_type, [('data', types.CPointer(fe_type.dtype)),
+                                        ('on', types.uint8)])
+
+
 # --------------------------------------------------------------- typing
 def _is_lanes_array(arr):
     """A C-contiguous 1-D array or a data pointer of a storage type."""
     return ((isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == 'C'
              or isinstance(arr, types.CPointer))
             and arr.dtype in (types.int16, types.uint16, types.float32, types.float64))
+
+
+def streaming(row, on):
+    """``row`` (a C-contiguous 1-D array or data pointer; None passes through) as
+    a ``Stream``: ``lanes_store`` writes its whole blocks that start on a 64-byte
+    boundary with non-temporal stores while ``on`` (a run-time bool)."""
+    raise NotImplementedError
+
+
+@intrinsic
+def _stream(typingctx, row, on):
+    if not (_is_lanes_array(row) and isinstance(on, (types.Boolean, types.BooleanLiteral))):
+        return None
+    st = Stream(row.dtype)
+
+    def codegen(context, builder, sig, args):
+        s = cgutils.create_struct_proxy(st)(context, builder)
+        s.data = _elem_pointer(context, builder, sig.args[0], args[0],
+                               ir.Constant(ir.IntType(64), 0))
+        on = context.cast(builder, args[1], sig.args[1], types.boolean)
+        s.on = builder.zext(on, ir.IntType(8))
+        return s._getvalue()
+    return st(row, on), codegen
+
+
+@overload(streaming)
+def _streaming_impl(row, on):
+    if isinstance(row, types.NoneType):
+        return lambda row, on: None
+    return lambda row, on: _stream(row, on)
 
 
 def data(a):
@@ -188,8 +237,8 @@ def _data_pointer(typingctx, arr):
 
 @overload(data)
 def _data_impl(a):
-    if isinstance(a, types.NoneType):
-        return lambda a: None
+    if isinstance(a, (types.NoneType, Stream)):
+        return lambda a: a
     return lambda a: _data_pointer(a)
 
 
@@ -337,8 +386,14 @@ def lanes_load_like(typingctx, arr, c, k, like):
 
 @intrinsic
 def lanes_store(typingctx, arr, c, v, k):
-    """arr[c:c+k] = the first k lanes of v, rounded once to arr's storage type."""
-    if not (_is_lanes_array(arr) and isinstance(v, Lanes)):
+    """arr[c:c+k] = the first k lanes of v, rounded once to arr's storage type.
+
+    arr a ``Stream`` that is on: a whole block (k = the lane count) starting on a
+    64-byte boundary is written with non-temporal stores (``vmovntps``/
+    ``vmovntdq``): whole cache lines go to memory without being read first, where
+    an ordinary store reads each line it writes (a third of a forward's traffic).
+    Other blocks, and every block while off, take the masked stores."""
+    if not ((_is_lanes_array(arr) or isinstance(arr, Stream)) and isinstance(v, Lanes)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -347,10 +402,37 @@ def lanes_store(typingctx, arr, c, v, k):
         sty = context.get_data_type(aty.dtype)
         size = context.get_abi_sizeof(sty)
         part_ty = ir.VectorType(sty, lt.count // PARTS)
+        stream = None
+        if isinstance(aty, Stream):
+            s = cgutils.create_struct_proxy(aty)(context, builder, value=arr)
+            arr, aty = s.data, types.CPointer(aty.dtype)
+            stream = builder.icmp_unsigned('!=', s.on, ir.Constant(ir.IntType(8), 0))
         ptr = _elem_pointer(context, builder, aty, arr, c)
-        for value, p, mask in zip(split(builder, v), _part_pointers(builder, ptr, part_ty),
-                                  _masks(builder, k, part_ty.count)):
-            _masked_store(builder, _narrow_part(builder, value, aty.dtype), p, mask, size)
+        values = [_narrow_part(builder, value, aty.dtype) for value in split(builder, v)]
+        pointers = _part_pointers(builder, ptr, part_ty)
+
+        def masked():
+            for value, p, mask in zip(values, pointers, _masks(builder, k, part_ty.count)):
+                _masked_store(builder, value, p, mask, size)
+
+        if stream is None:
+            masked()
+            return context.get_dummy_value()
+        i64 = ir.IntType(64)
+        aligned = builder.icmp_unsigned('==', builder.and_(builder.ptrtoint(ptr, i64),
+                                                           ir.Constant(i64, 63)),
+                                        ir.Constant(i64, 0))
+        whole = builder.icmp_signed('==', k, ir.Constant(k.type, lt.count))
+        go = builder.and_(builder.and_(stream, whole), aligned)
+        with builder.if_else(go) as (nontemporal, ordinary):
+            with nontemporal:
+                one = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+                for value, p in zip(values, pointers):
+                    store = builder.store(value, p)
+                    store.align = part_ty.count * size
+                    store.set_metadata('nontemporal', one)
+            with ordinary:
+                masked()
         return context.get_dummy_value()
     return types.void(arr, types.intp, v, types.intp), codegen
 

@@ -21,9 +21,10 @@ input read once and every output written once, at its own dtype:
 * fwd+bwd: the sum of the two (two kernels, each reading its inputs once).
 
 The copy roofline is a parallel copy (numba prange on the CPU, with the same
-threads and ordinary stores, see ``make_copy_kernel``; a device-to-device copy on
-a GPU) of half that byte count, so it moves (reads + writes) exactly the case's
-bytes: ``% copy = copy time / kernel time``.
+threads and the kernels' stores: non-temporal from ``cpu.STREAM_BYTES`` of output,
+see ``make_copy_kernel``; a device-to-device copy on a GPU) of half that byte
+count, so it moves (reads + writes) exactly the case's bytes: ``% copy = copy
+time / kernel time``.
 
 Max error is relative to scale: for each output ``max|out - ref| / max|ref|``,
 the maximum over the outputs; any NaN/inf where the reference is finite counts as
@@ -203,24 +204,38 @@ _COPY_KERNEL = None
 
 
 def make_copy_kernel(cache=True):
-    """The CPU copy roofline: dst[i] = src[i] ^ key over int64 words, prange.
+    """The CPU copy roofline: dst = src over float32 rows, one contiguous chunk
+    per thread (chunks start on 128-byte steps), in the kernels' lanes and with
+    their stores (``_lanes.lanes_store``): non-temporal where dst has
+    ``cpu.STREAM_BYTES`` or more and a block starts on a cache line, as the
+    kernels write their large outputs, ordinary (cached) stores below.
 
-    ``key`` is a run-time zero, so the loop is a vectorized load/store loop with
-    ordinary (cached) stores, as the kernels' stores are. A plain ``dst[i] =
-    src[i]`` loop is turned by LLVM into memcpy calls, and glibc's memcpy
-    switches to non-temporal stores above a size derived from the cache size
-    (measured 2026-12-04 on the project's Xeon, 2 threads: 25 GB/s up to 352 MiB
-    per buffer, 46 GB/s from 368 MiB on), so the roofline of cases above ~700 MiB
-    of traffic (float32 backwards at 65536x1024) was a different copy than that
-    of smaller cases. With the key: 25-27 GB/s at 64-512 MiB per buffer."""
+    Why the kernels' stores: the roofline is what moving the case's bytes costs
+    with the stores the kernels use. Ordinary stores read each line before they
+    write it; non-temporal stores do not, and moved 54 against 38 GB/s at 64 MiB
+    per buffer and 39 against 29 at 256 MiB (2 threads, AMD EPYC, 2026-12-06).
+    A copy with other stores than the kernels' misjudged them before: the
+    memcpy that LLVM makes of ``dst[i] = src[i]`` switches to non-temporal stores
+    above a glibc size threshold, so until 2026-12-04 the cases above ~700 MiB of
+    traffic were judged against a streaming copy and the others against a cached
+    one."""
     import numba
+    from ._lanes import data, lanes_count, lanes_load, lanes_store, lanes_zeros, streaming
+    from .cpu import STREAM_BYTES
 
     @numba.njit(parallel=True, nogil=True, cache=cache)
-    def par_copy(src, dst, key):
-        # numba splits the range into one contiguous chunk per thread; the
-        # body vectorizes (a blocked loop with a min() bound did not).
-        for i in numba.prange(src.shape[0]):
-            dst[i] = src[i] ^ key
+    def par_copy(src, dst, threads):
+        n = src.shape[0]
+        out = streaming(data(dst), dst.size * dst.itemsize >= STREAM_BYTES)
+        step = lanes_count(lanes_zeros(src))
+        for t in numba.prange(threads):
+            lo = t * n // threads // step * step
+            hi = n if t == threads - 1 else (t + 1) * n // threads // step * step
+            for c in range(lo, hi - step + 1, step):
+                lanes_store(out, c, lanes_load(src, c, step), step)
+            if (hi - lo) % step:
+                c = hi - (hi - lo) % step
+                lanes_store(out, c, lanes_load(src, c, hi - c), hi - c)
     return par_copy
 
 
@@ -232,13 +247,19 @@ def _cpu_copy_kernel():
 
 
 def cpu_copy_impl(nbytes, rng):
-    """A parallel copy that reads nbytes/2 and writes nbytes/2."""
-    words = max(1, nbytes // 16)
-    src = rng.integers(1, 2 ** 62, words, dtype=np.int64)
-    dst = np.empty_like(src)
+    """A parallel copy that reads nbytes/2 and writes nbytes/2, its dst placed as
+    numba_fused places outputs (``_alloc``: on a cache line, clear of src's
+    2**28-byte aliases, taken as rows of 4 KiB)."""
+    import numba
+    n = max(1, nbytes // 8)
+    src = rng.standard_normal(n, dtype=np.float32)
+    rows = np.empty((1, 1024), np.float32)
+    buf = np.empty(src.nbytes + _alloc.padding(rows, (src,)), np.uint8)
+    o = _alloc.clear_offset(buf.ctypes.data, rows, (src,))
+    dst = buf[o:o + src.nbytes].view(np.float32)
     kern = _cpu_copy_kernel()
-    key = np.int64(0)
-    return Impl(COPY, lambda: kern(src, dst, key), bytes=16 * words)
+    threads = np.int64(numba.get_num_threads())
+    return Impl(COPY, lambda: kern(src, dst, threads), bytes=8 * n)
 
 
 # ------------------------------------------------------------ implementations

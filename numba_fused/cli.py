@@ -24,8 +24,9 @@ What is measured
                 fwd+bwd counts the sum of both calls.
   % copy        GB/s as a share of a parallel copy of the same byte count (half
                 read, half written) measured in the same run on the same device:
-                a numba prange copy with the same threads and ordinary
-                (cached) stores on the CPU, a device-to-device copy on the GPU.
+                a numba prange copy with the same threads and the kernels'
+                stores on the CPU (non-temporal where the output has 16 MiB or
+                more, ordinary below), a device-to-device copy on the GPU.
   vs PEER       speedup: the peer's median time / numba_fused's (>1: we are faster).
   max err       max |out - ref| / max |ref| over every output (y, stats, dx,
                 dweight, dbias) against float64; the scale of mean is at least

@@ -55,11 +55,24 @@ def test_place_moves_an_aliasing_output_clear_of_every_input(dtype):
     assert not _alloc.aliases(placed.ctypes.data, x, (x, dy))
 
 
-def test_place_keeps_small_and_clear_outputs():
+def test_place_keeps_small_and_clear_aligned_outputs():
     x, y = _carved(1 << 19, 0, SPAN + 4096)          # under PLACE_MIN_BYTES
     assert _alloc.place(y, x, (x,)) is y
-    x, y = _carved(1 << 21, 0, SPAN + (1 << 22))
+    x, y = _carved(1 << 21, 0, SPAN + (1 << 22) + 48)   # 16 + 48: 64-byte aligned
+    assert y.ctypes.data % 64 == 0
     assert _alloc.place(y, x, (x,)) is y
+
+
+def test_place_aligns_clear_outputs_to_a_cache_line():
+    """A clear output 16 bytes past a cache line (NumPy's large arrays) is moved
+    to one: the kernels' non-temporal stores need whole aligned lines."""
+    x, y = _carved(1 << 21, 0, SPAN + (1 << 22))
+    assert y.ctypes.data % 64 == 16 and not _alloc.aliases(y.ctypes.data, x, (x,))
+    placed = _alloc.place(y, x, (x,))
+    assert placed is not y and placed.ctypes.data % 64 == 0
+    assert placed.shape == y.shape and placed.dtype == y.dtype and placed.flags.c_contiguous
+    assert not _alloc.aliases(placed.ctypes.data, x, (x,))
+    assert nf.empty_like(np.empty((1024, 1024), np.float32)).ctypes.data % 64 == 0
 
 
 def test_empty_like_is_public_and_clear_of_its_inputs():

@@ -368,18 +368,23 @@ def test_a_raising_kernel_fails_the_run_but_not_the_others(capsys, monkeypatch):
     assert [(r[1], r[2]) for r in rows] == [("softmax", "fwd")]
 
 
-def test_copy_roofline_copies_with_ordinary_stores():
-    """The CPU roofline copies correctly, and as a load/store loop: a memcpy call
-    (what LLVM makes of ``dst[i] = src[i]``) switches to non-temporal stores
-    above a glibc size threshold, and the roofline changed kind with the size."""
+def test_copy_roofline_copies_with_the_kernels_stores():
+    """The CPU roofline copies correctly, every thread count and length, with the
+    kernels' stores: non-temporal ones (whole aligned blocks) only from
+    cpu.STREAM_BYTES of dst, and no memcpy call (LLVM's memcpy for ``dst[i] =
+    src[i]`` switches to non-temporal stores above a glibc size threshold: the
+    roofline changed kind with the size)."""
+    from numba_fused import cpu
     kern = B.make_copy_kernel(cache=False)
     rng = np.random.default_rng(7)
-    src = rng.integers(1, 2 ** 62, 4099, dtype=np.int64)
-    dst = np.zeros_like(src)
-    kern(src, dst, np.int64(0))
-    assert np.array_equal(dst, src)
+    for n in (4099, 64, 5, cpu.STREAM_BYTES // 4 + 37):
+        src = rng.standard_normal(n, dtype=np.float32)
+        for threads in (1, 2, 3):
+            dst = np.zeros_like(src)
+            kern(src, dst, np.int64(threads))
+            assert np.array_equal(dst, src)
     asm = kern.inspect_asm(kern.signatures[0])
-    assert "xor" in asm and "memcpy" not in asm and "movnt" not in asm
+    assert "memcpy" not in asm and "vmovnt" in asm
     imp = B.cpu_copy_impl(1 << 16, rng)
     imp.fn()
     assert imp.bytes == 1 << 16

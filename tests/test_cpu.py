@@ -545,6 +545,46 @@ def test_param_grad_buffers_are_not_reused_across_calls(rng):
     assert_bits_equal(db, keep_b, "dbias overwritten by a later call")
 
 
+# ===================================================== non-temporal stores
+#: outputs of cpu.STREAM_BYTES and more: 1,024 and 4,096 columns (row pipeline and
+#: pairs), 1,000 (4,000-byte rows: every other row starts on a cache line)
+STREAM_CASES = [((4096, 1024), F32), ((4200, 1000), F32), ((1024, 4096), F32),
+                ((8192, 1024), BF16)]
+
+
+def _poisoned_at(shape, dtype, offset):
+    """(buffer, out): out of ``shape`` ``offset`` bytes past a 64-byte boundary in
+    a buffer of all-ones bytes (NaN in every float type)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = np.full(nbytes + 256, 0xFF, np.uint8)
+    o = -buf.ctypes.data % 64 + offset
+    return buf, buf[o:o + nbytes].view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("shape, dtype", STREAM_CASES,
+                         ids=[f"{dtype_id(d)}-{r}x{c}" for (r, c), d in STREAM_CASES])
+@pytest.mark.parametrize("op", OPS)
+def test_streamed_outputs_hold_the_bits_of_ordinary_stores(rng, op, shape, dtype):
+    """Outputs of cpu.STREAM_BYTES and more go out in non-temporal stores where a
+    block starts on a cache line (``_lanes.streaming``); a buffer 16 bytes off the
+    line takes ordinary stores only. Both hold the same bits, right against the
+    reference, and nothing outside ``out`` is written. (The store itself, and its
+    ``vmovnt`` instructions: tests/test_lanes.py.)"""
+    d = _make_case(op, rng, shape, dtype)
+    assert np.prod(shape) * np.dtype(dtype).itemsize >= cpu.STREAM_BYTES
+    got = {}
+    for offset in (0, 16):
+        buf, out = _poisoned_at(shape, dtype, offset)
+        r = call_op(op, d, out=out)
+        assert r[0] is out
+        o = out.ctypes.data - buf.ctypes.data
+        assert (buf[:o] == 0xFF).all() and (buf[o + out.nbytes:] == 0xFF).all(), op
+        got[offset] = r
+    for a, b in zip(got[0], got[16]):
+        assert_bits_equal(a, b, f"{op}: streamed vs ordinary stores")
+    check_op(op, d, got[0])
+
+
 # ============================================================= in-place bwd
 @pytest.mark.parametrize("layout", ["C", "cols2", "transpose", "negrows"])
 @pytest.mark.parametrize("shape", LAYOUT_SHAPES + [(2, 17, 4111)],

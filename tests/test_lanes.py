@@ -154,6 +154,53 @@ def _copy_converted(src, dst, k):
         L.lanes_store(dst, c, L.lanes_load_like(src, c, kk, like), kk)
 
 
+@njit(cache=False)
+def _copy_streamed(src, dst, k, on):
+    """``_copy_converted`` into ``streaming(dst, on)``."""
+    n = src.shape[0]
+    out = L.streaming(dst, on)
+    like = L.lanes_zeros(dst)
+    step = L.lanes_count(like)
+    for c in range(0, n, step):
+        kk = min(step, n - c, k)
+        L.lanes_store(out, c, L.lanes_load_like(src, c, kk, like), kk)
+
+
+def _at_offset(n, dtype, offset):
+    """(buffer, view): n elements of dtype ``offset`` bytes past a 64-byte
+    boundary inside a buffer of 0xAB bytes."""
+    itemsize = np.dtype(dtype).itemsize
+    buf = np.full(n * itemsize + 256, 0xAB, np.uint8)
+    o = -buf.ctypes.data % 64 + offset
+    return buf, buf[o:o + n * itemsize].view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=dtype_id)
+def test_streamed_store_writes_what_the_store_writes(dtype):
+    """lanes_store into ``streaming(row, on)``: the bytes of the ordinary store in
+    the whole buffer around the row (nothing else written), on or off, aligned
+    (non-temporal whole blocks) or not, whole blocks and partial ones; the
+    non-temporal store is in the assembly."""
+    rng = np.random.default_rng(3)
+    st = D.storage_dtype(dtype)
+    count = _count(dtype)
+    for n in (3 * count, 3 * count + 5, count - 1):
+        src = rng.standard_normal(n).astype(_acc(dtype))
+        for offset in (0, 16, 32):
+            for k in (1 << 30, count - 3):        # whole blocks, or k lanes of each
+                _, want = _at_offset(n, st, offset)
+                _copy_converted(src, want, k)
+                for on in (True, False):
+                    buf, dst = _at_offset(n, st, offset)
+                    _copy_streamed(src, dst, k, on)
+                    assert np.array_equal(dst.view(np.uint8), want.view(np.uint8))
+                    o = dst.ctypes.data - buf.ctypes.data
+                    assert (buf[:o] == 0xAB).all() and (buf[o + dst.nbytes:] == 0xAB).all()
+    asm = next(a for sig, a in _copy_streamed.inspect_asm().items()
+               if str(sig[1].dtype) == np.dtype(st).name)
+    assert "vmovnt" in asm
+
+
 @pytest.mark.parametrize("half", [F16, BF16], ids=dtype_id)
 def test_block_narrow_matches_numpy_bits(half):
     """Vector rounding float32 -> float16/bfloat16, every class of value (the same
