@@ -39,7 +39,8 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPS = ("softmax_fwd", "softmax_bwd", "rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd")
+OPS = ("softmax_fwd", "softmax_bwd", "rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd",
+       "softmax_fb", "rms_fb", "ln_fb")
 
 
 def export_base(rev, dest):
@@ -54,20 +55,34 @@ def export_base(rev, dest):
     os.rename(os.path.join(dest, "numba_fused"), os.path.join(dest, "numba_fused_base"))
 
 
-def calls(nf, x, dy, w, b, y, rstd, mean, ln_rstd, out):
+def calls(nf, x, dy, w, b, y, rstd, mean, ln_rstd, out, out2):
+    """The timed calls by op name; *_fb: the forward, then the backward on its
+    results (out2: the backward's out=), as the benchmark's fwd+bwd."""
+    def fb(fwd, bwd):
+        def call():
+            r = fwd()
+            bwd(r if isinstance(r, tuple) else (r,))
+        return call
     return dict(
         softmax_fwd=lambda: nf.softmax_fwd(x, out=out),
         softmax_bwd=lambda: nf.softmax_bwd(y, dy, out=out),
         rms_fwd=lambda: nf.rms_norm_fwd(x, w, out=out),
         rms_bwd=lambda: nf.rms_norm_bwd(dy, x, w, rstd, out=out),
         ln_fwd=lambda: nf.layer_norm_fwd(x, w, b, out=out),
-        ln_bwd=lambda: nf.layer_norm_bwd(dy, x, w, b, mean, ln_rstd, out=out))
+        ln_bwd=lambda: nf.layer_norm_bwd(dy, x, w, b, mean, ln_rstd, out=out),
+        softmax_fb=fb(lambda: nf.softmax_fwd(x, out=out),
+                      lambda r: nf.softmax_bwd(r[0], dy, out=out2)),
+        rms_fb=fb(lambda: nf.rms_norm_fwd(x, w, out=out),
+                  lambda r: nf.rms_norm_bwd(dy, x, w, r[1], out=out2)),
+        ln_fb=fb(lambda: nf.layer_norm_fwd(x, w, b, out=out),
+                 lambda r: nf.layer_norm_bwd(dy, x, w, b, r[1], r[2], out=out2)))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", default="HEAD", help="git revision to compare against")
-    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--ops", default=",".join(OPS[:6]),
+                   help="comma-separated; *_fb: forward then backward (default: the six single ops)")
     p.add_argument("--shapes", default="4096x4096,65536x1024")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--rounds", type=int, default=15)
@@ -112,8 +127,9 @@ def main(argv=None):
             _, rstd = new.rms_norm_fwd(x, w)
             _, mean, ln_rstd = new.layer_norm_fwd(x, w, b)
             out = None if a.alloc else new.empty_like(x, x, dy)   # as the benchmark's
-            fb = calls(base, x, dy, w, b, y, rstd, mean, ln_rstd, out)
-            fn = calls(new, x, dy, w, b, y, rstd, mean, ln_rstd, out)
+            out2 = None if a.alloc else new.empty_like(x, x, dy, out)
+            fb = calls(base, x, dy, w, b, y, rstd, mean, ln_rstd, out, out2)
+            fn = calls(new, x, dy, w, b, y, rstd, mean, ln_rstd, out, out2)
             for op in ops:
                 fb[op]()
                 fn[op]()
