@@ -702,9 +702,11 @@ def _softmax_bwd_dot(y, dy):
 
 
 @_row
-def _softmax_bwd_store(y, dy, dot, dx):
-    """dx = y * (dy - dot), in the stage's lanes; dx None: written into dy."""
-    _softmax_bwd_store_at(y.shape[0], _data(y), _data(dy), dot, _data(_target(dx, dy)))
+def _softmax_bwd_store(y, dy, dot, dx, stream):
+    """dx = y * (dy - dot), in the stage's lanes; dx None: written into dy.
+    ``stream``: non-temporal stores (``streaming``)."""
+    _softmax_bwd_store_at(y.shape[0], _data(y), _data(dy), dot,
+                          _data(streaming(_target(dx, dy), stream)))
 
 
 @_lanes_fn
@@ -747,8 +749,7 @@ def _softmax_bwd_rows(y, dy, dx, lo, hi):
     if not _softmax_bwd_pipelined(y):
         for r in range(lo, hi):
             yr, dyr = _row_at(y, r), _row_at(dy, r)
-            _softmax_bwd_store(yr, dyr, _softmax_bwd_dot(yr, dyr),
-                               streaming(_row_at(dx, r), stream))
+            _softmax_bwd_store(yr, dyr, _softmax_bwd_dot(yr, dyr), _row_at(dx, r), stream)
         return
     dot = _softmax_bwd_dot(_row_at(y, lo), _row_at(dy, lo))
     for r in range(lo, hi - 1):
@@ -756,9 +757,9 @@ def _softmax_bwd_rows(y, dy, dx, lo, hi):
         dot = _softmax_bwd_stage_at(
             y.shape[2], _data(_row_at(y, r + 1)), _data(_row_at(dy, r + 1)),
             _data(_row_at(y, r)), _data(dyc), dot,
-            _data(_target(streaming(_row_at(dx, r), stream), dyc)), acc(y, 0.0))
-    _softmax_bwd_store(_row_at(y, hi - 1), _row_at(dy, hi - 1), dot,
-                       streaming(_row_at(dx, hi - 1), stream))
+            _data(streaming(_target(_row_at(dx, r), dyc), stream)), acc(y, 0.0))
+    _softmax_bwd_store(_row_at(y, hi - 1), _row_at(dy, hi - 1), dot, _row_at(dx, hi - 1),
+                       stream)
 
 
 @_lanes_fn
@@ -1175,10 +1176,11 @@ def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, db
     bfloat16 1024-2048 columns 1.12-1.34x, float16 1.00-1.15x, float32 0.97-1.13x;
     in cache 1.03-1.12x (small float32 calls 0.96-1.12x)."""
     # np.intp(0) and first != False: plain int64 and bool, where a literal 0 or
-    # False compiled the callee again (62 of its 78 signatures in a CI run, 2026-12-06)
+    # False compiled the callee again (62 of its 78 signatures in a CI run, 2026-12-06);
+    # dx a Stream (off here), in place too, as every caller passes it: one signature
     _norm_bwd_store_at(np.intp(0), x.shape[0], _data(dy), _data(x), _data(weight), mean,
-                       rstd, dot, gmean, _data(_target(dx, dy)), _data(dweight),
-                       _data(dbias), first != False)  # noqa: E712
+                       rstd, dot, gmean, _data(streaming(_target(dx, dy), False)),
+                       _data(dweight), _data(dbias), first != False)  # noqa: E712
 
 
 @_row
@@ -1236,7 +1238,7 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
         s, g = _norm_bwd_stage_at(
             x.shape[2], _data(dyc), _data(_row_at(x, r)), _data(weight),
             _stat(x, mean, r), acc(x, rstd[r]), dot, _gmean_of(x, mean, gmean),
-            _data(_target(streaming(_row_at(dx, r), stream), dyc)),
+            _data(streaming(_target(_row_at(dx, r), dyc), stream)),
             _data(_row_of(wparts, k)), _data(_row_of(bparts, k)), r == start,
             _data(_row_at(dy, r + 1)), _data(_row_at(x, r + 1)),
             _stat(x, mean, r + 1))
@@ -1318,8 +1320,8 @@ def _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end):
             x.shape[2], _data(dy0), _data(_row_at(x, r)), _data(dy1), _data(_row_at(x, r + 1)),
             _data(weight), _stat(x, mean, r), acc(x, rstd[r]), d0, _gmean_of(x, mean, m0),
             _stat(x, mean, r + 1), acc(x, rstd[r + 1]), d1, _gmean_of(x, mean, m1),
-            _data(_target(streaming(_row_at(dx, r), stream), dy0)),
-            _data(_target(streaming(_row_at(dx, r + 1), stream), dy1)),
+            _data(streaming(_target(_row_at(dx, r), dy0), stream)),
+            _data(streaming(_target(_row_at(dx, r + 1), dy1), stream)),
             _data(wpart), _data(bpart), r == start,
             _data(_row_at(dy, r + 2)), _data(_row_at(x, r + 2)), _stat(x, mean, r + 2),
             _data(_row_at(dy, r + 3)), _data(_row_at(x, r + 3)), _stat(x, mean, r + 3))
@@ -1957,6 +1959,7 @@ def _wide_bwd_store(dy, x, weight, mean, rstd, dx, wparts, bparts, sums, b, chun
     partials never leave the cache. RMSNorm runs it with mean None and mean(g) 0."""
     rows, cols = x.shape[0] * x.shape[1], x.shape[2]
     c0, c1 = _wide_cols(b, cols)
+    stream = _streams(dx)
     for k in range(chunks):
         r0, r1 = _chunk_rows(k, rows, chunks)
         wp, bp = _row_of(wparts, k), _row_of(bparts, k)
@@ -1964,7 +1967,8 @@ def _wide_bwd_store(dy, x, weight, mean, rstd, dx, wparts, bparts, sums, b, chun
             dyr = _row_at(dy, r)
             _norm_bwd_store_at(c0, c1, _data(dyr), _data(_row_at(x, r)), _data(weight),
                                _stat(x, mean, r), acc(x, rstd[r]), sums[r, 0, 0],
-                               sums[r, 0, 1], _data(_target(_row_at(dx, r), dyr)), _data(wp),
+                               sums[r, 0, 1],
+                               _data(streaming(_target(_row_at(dx, r), dyr), stream)), _data(wp),
                                _data(bp), r == r0)
     _sum_cols(wparts, dweight, c0, c1)
     _sum_cols(bparts, dbias, c0, c1)

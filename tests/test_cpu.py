@@ -653,7 +653,7 @@ def test_inplace_backward_kernel_is_vectorized(op):
         rows = row.reshape(1, 1, 256)
         w = np.ones(256, np.float32)
         stat = np.ones(1, np.float32)
-        args = {"softmax_bwd": (row, row.copy(), np.float32(0.5), None),
+        args = {"softmax_bwd": (row, row.copy(), np.float32(0.5), None, False),
                 "rms_norm_bwd": (rows, rows.copy(), w, None, stat, None, w.copy(), None, 0,
                                  True),
                 "layer_norm_bwd": (rows, rows.copy(), w, stat * 0, stat, None, w.copy(),
