@@ -15,9 +15,9 @@ output a little larger and starts it where no input's rows are in the way; the
 kernels give the same bits wherever their buffers lie. Inputs are the caller's:
 two inputs that alias each other (dy and x of a backward) are not helped.
 
-``place`` also starts every output it handles on a 64-byte boundary (NumPy's
-large arrays start 16 bytes past one): the kernels write large outputs with
-non-temporal stores, which need whole, aligned cache lines (``cpu.STREAM_BYTES``).
+``place`` also starts outputs of STREAM_BYTES and more on a 64-byte boundary
+(NumPy's large arrays start 16 bytes past one): the kernels write such outputs
+with non-temporal stores, which need whole, aligned cache lines (``cpu``).
 """
 import numpy as np
 
@@ -30,7 +30,12 @@ ALIAS_ROWS = 4
 #: smaller outputs are never moved (their rows stay in cache, and an input
 #: 2**28 bytes away is rare)
 PLACE_MIN_BYTES = 1 << 20
-#: outputs from PLACE_MIN_BYTES start on this boundary (a cache line)
+#: outputs of this many bytes or more are written with non-temporal stores
+#: (``cpu.STREAM_BYTES`` is this) and start on an ALIGN boundary. Not smaller
+#: ones: moving a 1 MiB output for alignment alone cost 8-14% of a (256, 1024)
+#: float32 call that allocates its result (a second allocation; 2026-12-06)
+STREAM_BYTES = 1 << 24
+#: a cache line
 ALIGN = 64
 
 
@@ -75,17 +80,18 @@ def clear_offset(address, like, inputs):
     return start
 
 
-def placed(address, like, inputs):
-    """Whether an output at ``address`` needs no moving: ALIGN-aligned and clear
-    of every input's aliases."""
-    return address % ALIGN == 0 and not aliases(address, like, inputs)
+def placed(address, nbytes, like, inputs):
+    """Whether an output of ``nbytes`` at ``address`` needs no moving: clear of
+    every input's aliases, and ALIGN-aligned if it has STREAM_BYTES or more."""
+    return ((nbytes < STREAM_BYTES or address % ALIGN == 0)
+            and not aliases(address, like, inputs))
 
 
 def place(out, like, inputs):
-    """``out`` (a fresh array like ``like``) where it is ALIGN-aligned and aliases
-    none of the NumPy ``inputs`` (module docstring), else a view at
-    ``clear_offset`` into a buffer ``padding`` bytes larger."""
-    if out.nbytes < PLACE_MIN_BYTES or placed(out.ctypes.data, like, inputs):
+    """``out`` (a fresh array like ``like``) where it needs no moving (``placed``),
+    else a view at ``clear_offset`` into a buffer ``padding`` bytes larger: clear
+    of the NumPy ``inputs`` (module docstring) and ALIGN-aligned."""
+    if out.nbytes < PLACE_MIN_BYTES or placed(out.ctypes.data, out.nbytes, like, inputs):
         return out
     buf = np.empty(out.nbytes + padding(like, inputs), np.uint8)
     o = clear_offset(buf.ctypes.data, like, inputs)
@@ -96,7 +102,7 @@ def empty_like(like, *inputs):
     """An uninitialized C-contiguous array of like's shape and dtype, for ``out=``
     of an op over ``like`` and the other ``inputs``: ``np.empty`` placed where the
     kernels' stores into it do not alias their loads from the inputs on AMD Zen,
-    64-byte aligned from 1 MiB (see ``numba_fused._alloc``). The outputs
+    64-byte aligned from 16 MiB (see ``numba_fused._alloc``). The outputs
     numba_fused allocates itself are placed so already."""
     for name, a in [("like", like)] + [(f"inputs[{i}]", a) for i, a in enumerate(inputs)]:
         if not isinstance(a, np.ndarray):

@@ -219,6 +219,29 @@ def _streaming_impl(row, on):
     return lambda row, on: _stream(row, on)
 
 
+@intrinsic
+def stream_parts(typingctx, s):
+    """(whether ``s`` streams, its data pointer) for a ``Stream``; (False, s) for
+    a data pointer. A loop that branches on the first can run the second, a plain
+    pointer, with no per-block test (``lanes_store``)."""
+    if isinstance(s, Stream):
+        sig = types.Tuple((types.boolean, types.CPointer(s.dtype)))(s)
+    elif isinstance(s, types.CPointer):
+        sig = types.Tuple((types.boolean, s))(s)
+    else:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if isinstance(sig.args[0], Stream):
+            st = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0])
+            on = builder.icmp_unsigned('!=', st.on, ir.Constant(ir.IntType(8), 0))
+            data = st.data
+        else:
+            on, data = ir.Constant(ir.IntType(1), 0), args[0]
+        return context.make_tuple(builder, sig.return_type, [on, data])
+    return sig, codegen
+
+
 def data(a):
     """The data pointer of a C-contiguous 1-D array (None for None): lanes code
     takes pointers, which carry no reference count to take and release per call."""

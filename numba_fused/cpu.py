@@ -47,12 +47,12 @@ from numba.np.numpy_support import as_dtype
 from llvmlite import ir
 
 from . import _cache  # noqa: F401  (cache stamps: before any cached kernel)
-from ._alloc import ALIAS_SPAN
+from ._alloc import ALIAS_SPAN, STREAM_BYTES
 from ._dtypes import acc, acc_numba_type, narrow, widen
 from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store, prefetch,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
 from ._lanes import data as _data
-from ._lanes import streaming
+from ._lanes import stream_parts, streaming
 from ._vecmath import _fma, _fms, fexp_nonpos, fmax_skipnan
 
 # No fast-math flags anywhere. Elementwise loops (the stores) are compiled
@@ -337,7 +337,18 @@ def _softmax_fwd_stage(xa, xb, mb, sb, sc, inv, yc):
 
 @_lanes_fn
 def _softmax_fwd_stage_at(n, xa, xb, mb, sb, sc, inv, yc):
-    """``_softmax_fwd_stage`` on data pointers (see ``_lanes_fn``)."""
+    """``_softmax_fwd_stage`` on data pointers (see ``_lanes_fn``). A loop of its
+    own for a row that does not stream: the per-block test of a streamed store cost
+    this compute-bound loop 3-6% in cache (float32 256x1024 and 1024x1024, ab.py
+    15 rounds, 2026-12-06)."""
+    on, plain = stream_parts(yc)
+    if on:
+        return _softmax_fwd_stage_loop(n, xa, xb, mb, sb, sc, inv, yc)
+    return _softmax_fwd_stage_loop(n, xa, xb, mb, sb, sc, inv, plain)
+
+
+@_row
+def _softmax_fwd_stage_loop(n, xa, xb, mb, sb, sc, inv, yc):
     s = wide_lanes_zeros(xa)
     m = s + acc(xa, -np.inf)
     step = lanes_count(s)
@@ -1553,8 +1564,8 @@ def _target_impl(dx, dy):
 #: (outputs 64-byte aligned): 4096x4096 rms_norm fwd 1.45x, layer_norm fwd 1.31x,
 #: softmax bwd 1.09x, the norm backwards 1.12-1.24x; 65536x1024 softmax fwd
 #: 1.56x, bwd 1.35x, rms_norm bwd 1.36x; 2048x2048 (16 MiB, in cache between
-#: calls) 1.20-1.35x; 1024x1024 (4 MiB) 0.92-1.32x, mixed.
-STREAM_BYTES = 1 << 24
+#: calls) 1.20-1.35x; 1024x1024 (4 MiB) 0.92-1.32x, mixed. Defined in ``_alloc``,
+#: which starts outputs this large on a cache line.
 
 
 def _streams(out):

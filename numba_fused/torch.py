@@ -142,11 +142,11 @@ class _Cuda:
 
 def _empty_out(x, *inputs):
     """A contiguous output like x (the fake impls promise contiguous outputs); on
-    the CPU placed clear of the inputs' 2**28-byte aliases, 64-byte aligned
-    (``numba_fused._alloc``)."""
+    the CPU placed clear of the inputs' 2**28-byte aliases, 64-byte aligned from
+    16 MiB (``numba_fused._alloc``)."""
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if (not x.is_cpu or y.numel() * y.element_size() < _alloc.PLACE_MIN_BYTES
-            or _alloc.placed(y.data_ptr(), x, (x,) + inputs)):
+            or _alloc.placed(y.data_ptr(), y.numel() * y.element_size(), x, (x,) + inputs)):
         return y
     n = y.numel() * y.element_size()
     buf = torch.empty(n + _alloc.padding(x, (x,) + inputs), dtype=torch.uint8)

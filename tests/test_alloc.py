@@ -63,16 +63,20 @@ def test_place_keeps_small_and_clear_aligned_outputs():
     assert _alloc.place(y, x, (x,)) is y
 
 
-def test_place_aligns_clear_outputs_to_a_cache_line():
-    """A clear output 16 bytes past a cache line (NumPy's large arrays) is moved
-    to one: the kernels' non-temporal stores need whole aligned lines."""
-    x, y = _carved(1 << 21, 0, SPAN + (1 << 22))
+def test_place_aligns_large_clear_outputs_to_a_cache_line():
+    """A clear output of STREAM_BYTES or more 16 bytes past a cache line (NumPy's
+    large arrays) is moved to one: the kernels' non-temporal stores need whole
+    aligned lines. Smaller ones stay where they are."""
+    n = _alloc.STREAM_BYTES
+    x, y = _carved(n, 0, SPAN + (1 << 25))
     assert y.ctypes.data % 64 == 16 and not _alloc.aliases(y.ctypes.data, x, (x,))
     placed = _alloc.place(y, x, (x,))
     assert placed is not y and placed.ctypes.data % 64 == 0
     assert placed.shape == y.shape and placed.dtype == y.dtype and placed.flags.c_contiguous
     assert not _alloc.aliases(placed.ctypes.data, x, (x,))
-    assert nf.empty_like(np.empty((1024, 1024), np.float32)).ctypes.data % 64 == 0
+    x, y = _carved(n - 4096, 0, SPAN + (1 << 25))
+    assert _alloc.place(y, x, (x,)) is y
+    assert nf.empty_like(np.empty((n // 4096, 1024), np.float32)).ctypes.data % 64 == 0
 
 
 def test_empty_like_is_public_and_clear_of_its_inputs():
