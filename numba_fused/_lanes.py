@@ -181,6 +181,12 @@ class _StreamModel(models.StructModel):
                                         ('on', types.uint8)])
 
 
+def _stream_fields(context, builder, sty, value):
+    """(data pointer, 'on' as an i1) of a Stream value."""
+    s = cgutils.create_struct_proxy(sty)(context, builder, value=value)
+    return s.data, builder.icmp_unsigned('!=', s.on, ir.Constant(ir.IntType(8), 0))
+
+
 # --------------------------------------------------------------- typing
 def _is_lanes_array(arr):
     """A C-contiguous 1-D array or a data pointer of a storage type."""
@@ -233,9 +239,7 @@ def stream_parts(typingctx, s):
 
     def codegen(context, builder, sig, args):
         if isinstance(sig.args[0], Stream):
-            st = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0])
-            on = builder.icmp_unsigned('!=', st.on, ir.Constant(ir.IntType(8), 0))
-            data = st.data
+            data, on = _stream_fields(context, builder, sig.args[0], args[0])
         else:
             on, data = ir.Constant(ir.IntType(1), 0), args[0]
         return context.make_tuple(builder, sig.return_type, [on, data])
@@ -427,9 +431,8 @@ def lanes_store(typingctx, arr, c, v, k):
         part_ty = ir.VectorType(sty, lt.count // PARTS)
         stream = None
         if isinstance(aty, Stream):
-            s = cgutils.create_struct_proxy(aty)(context, builder, value=arr)
-            arr, aty = s.data, types.CPointer(aty.dtype)
-            stream = builder.icmp_unsigned('!=', s.on, ir.Constant(ir.IntType(8), 0))
+            arr, stream = _stream_fields(context, builder, aty, arr)
+            aty = types.CPointer(aty.dtype)
         ptr = _elem_pointer(context, builder, aty, arr, c)
         values = [_narrow_part(builder, value, aty.dtype) for value in split(builder, v)]
         pointers = _part_pointers(builder, ptr, part_ty)

@@ -221,12 +221,12 @@ def make_copy_kernel(cache=True):
     one."""
     import numba
     from ._lanes import data, lanes_count, lanes_load, lanes_store, lanes_zeros, streaming
-    from .cpu import STREAM_BYTES
+    from .cpu import _streams
 
     @numba.njit(parallel=True, nogil=True, cache=cache)
     def par_copy(src, dst, threads):
         n = src.shape[0]
-        out = streaming(data(dst), dst.size * dst.itemsize >= STREAM_BYTES)
+        out = streaming(data(dst), _streams(dst))
         step = lanes_count(lanes_zeros(src))
         for t in numba.prange(threads):
             lo = t * n // threads // step * step

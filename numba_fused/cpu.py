@@ -715,9 +715,9 @@ def _softmax_bwd_dot(y, dy):
 @_row
 def _softmax_bwd_store(y, dy, dot, dx, stream):
     """dx = y * (dy - dot), in the stage's lanes; dx None: written into dy.
-    ``stream``: non-temporal stores (``streaming``)."""
+    ``stream``: non-temporal stores (``_target``)."""
     _softmax_bwd_store_at(y.shape[0], _data(y), _data(dy), dot,
-                          _data(streaming(_target(dx, dy), stream)))
+                          _target(dx, dy, stream))
 
 
 @_lanes_fn
@@ -768,7 +768,7 @@ def _softmax_bwd_rows(y, dy, dx, lo, hi):
         dot = _softmax_bwd_stage_at(
             y.shape[2], _data(_row_at(y, r + 1)), _data(_row_at(dy, r + 1)),
             _data(_row_at(y, r)), _data(dyc), dot,
-            _data(streaming(_target(_row_at(dx, r), dyc), stream)), acc(y, 0.0))
+            _target(_row_at(dx, r), dyc, stream), acc(y, 0.0))
     _softmax_bwd_store(_row_at(y, hi - 1), _row_at(dy, hi - 1), dot, _row_at(dx, hi - 1),
                        stream)
 
@@ -1187,10 +1187,9 @@ def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, db
     bfloat16 1024-2048 columns 1.12-1.34x, float16 1.00-1.15x, float32 0.97-1.13x;
     in cache 1.03-1.12x (small float32 calls 0.96-1.12x)."""
     # np.intp(0) and first != False: plain int64 and bool, where a literal 0 or
-    # False compiled the callee again (62 of its 78 signatures in a CI run, 2026-12-06);
-    # dx a Stream (off here), in place too, as every caller passes it: one signature
+    # False compiled the callee again (62 of its 78 signatures in a CI run, 2026-12-06)
     _norm_bwd_store_at(np.intp(0), x.shape[0], _data(dy), _data(x), _data(weight), mean,
-                       rstd, dot, gmean, _data(streaming(_target(dx, dy), False)),
+                       rstd, dot, gmean, _target(dx, dy, False),
                        _data(dweight), _data(dbias), first != False)  # noqa: E712
 
 
@@ -1249,7 +1248,7 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
         s, g = _norm_bwd_stage_at(
             x.shape[2], _data(dyc), _data(_row_at(x, r)), _data(weight),
             _stat(x, mean, r), acc(x, rstd[r]), dot, _gmean_of(x, mean, gmean),
-            _data(streaming(_target(_row_at(dx, r), dyc), stream)),
+            _target(_row_at(dx, r), dyc, stream),
             _data(_row_of(wparts, k)), _data(_row_of(bparts, k)), r == start,
             _data(_row_at(dy, r + 1)), _data(_row_at(x, r + 1)),
             _stat(x, mean, r + 1))
@@ -1331,8 +1330,8 @@ def _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end):
             x.shape[2], _data(dy0), _data(_row_at(x, r)), _data(dy1), _data(_row_at(x, r + 1)),
             _data(weight), _stat(x, mean, r), acc(x, rstd[r]), d0, _gmean_of(x, mean, m0),
             _stat(x, mean, r + 1), acc(x, rstd[r + 1]), d1, _gmean_of(x, mean, m1),
-            _data(streaming(_target(_row_at(dx, r), dy0), stream)),
-            _data(streaming(_target(_row_at(dx, r + 1), dy1), stream)),
+            _target(_row_at(dx, r), dy0, stream),
+            _target(_row_at(dx, r + 1), dy1, stream),
             _data(wpart), _data(bpart), r == start,
             _data(_row_at(dy, r + 2)), _data(_row_at(x, r + 2)), _stat(x, mean, r + 2),
             _data(_row_at(dy, r + 3)), _data(_row_at(x, r + 3)), _stat(x, mean, r + 3))
@@ -1541,36 +1540,35 @@ def _row_at_impl(a, r):
     return lambda a, r: carray(_row_pointer(a, r), a.shape[2])
 
 
-def _target(dx, dy):
+def _target(dx, dy, stream):
     raise NotImplementedError
 
 
 @overload(_target)
-def _target_impl(dx, dy):
-    """dx, or dy for an in-place backward (dx None). The store loop then loads and
-    stores through one pointer, which LLVM vectorizes without a run-time overlap
-    test; dy passed again as dx overlaps itself, fails that test and took the
-    scalar loop (measured: 1.5-4.6x slower in-place backwards, bf16 worst)."""
+def _target_impl(dx, dy, stream):
+    """The row a backward stores into, as a ``streaming`` row: dx, streamed while
+    ``stream``, or dy for an in-place backward (dx None), never streamed (its
+    lines were just read). The store loop then loads and stores through one
+    pointer, which LLVM vectorizes without a run-time overlap test; dy passed again
+    as dx overlaps itself, fails that test and took the scalar loop (measured:
+    1.5-4.6x slower in-place backwards, bf16 worst). Both are Streams, so in-place
+    and out-of-place calls share one compiled store."""
     if isinstance(dx, types.NoneType):
-        return lambda dx, dy: dy
-    return lambda dx, dy: dx
-
-
-#: outputs of this many bytes or more are written with non-temporal stores
-#: (``streaming``) where the pipelined stages store them: an ordinary store first
-#: reads the line it writes, a third of a forward's memory traffic and a quarter
-#: of a backward's, and an output this large leaves the caches before it is read
-#: anyway. ab.py --evict 64 against ordinary stores, AMD EPYC, 2026-12-06, float32
-#: (outputs 64-byte aligned): 4096x4096 rms_norm fwd 1.45x, layer_norm fwd 1.31x,
-#: softmax bwd 1.09x, the norm backwards 1.12-1.24x; 65536x1024 softmax fwd
-#: 1.56x, bwd 1.35x, rms_norm bwd 1.36x; 2048x2048 (16 MiB, in cache between
-#: calls) 1.20-1.35x; 1024x1024 (4 MiB) 0.92-1.32x, mixed. Defined in ``_alloc``,
-#: which starts outputs this large on a cache line.
+        return lambda dx, dy, stream: streaming(dy, False)
+    return lambda dx, dy, stream: streaming(dx, stream)
 
 
 def _streams(out):
     """Whether the pipelined stages write ``out`` (None: in place, no) with
-    non-temporal stores: STREAM_BYTES or more."""
+    non-temporal stores (``streaming``): STREAM_BYTES or more (``_alloc``, which
+    starts outputs this large on a cache line). Why: an ordinary store first
+    reads the line it writes, a third of a forward's memory traffic and a quarter
+    of a backward's, and an output this large leaves the caches before it is read
+    anyway. ab.py --evict 64 against ordinary stores, AMD EPYC, 2026-12-06, float32
+    (outputs 64-byte aligned): 4096x4096 rms_norm fwd 1.45x, layer_norm fwd 1.31x,
+    softmax bwd 1.09x, the norm backwards 1.12-1.24x; 65536x1024 softmax fwd
+    1.56x, bwd 1.35x, rms_norm bwd 1.36x; 2048x2048 (16 MiB, in cache between
+    calls) 1.20-1.35x; 1024x1024 (4 MiB) 0.92-1.32x, mixed. Jitted code only."""
     raise NotImplementedError
 
 
@@ -1979,7 +1977,7 @@ def _wide_bwd_store(dy, x, weight, mean, rstd, dx, wparts, bparts, sums, b, chun
             _norm_bwd_store_at(c0, c1, _data(dyr), _data(_row_at(x, r)), _data(weight),
                                _stat(x, mean, r), acc(x, rstd[r]), sums[r, 0, 0],
                                sums[r, 0, 1],
-                               _data(streaming(_target(_row_at(dx, r), dyr), stream)), _data(wp),
+                               _target(_row_at(dx, r), dyr, stream), _data(wp),
                                _data(bp), r == r0)
     _sum_cols(wparts, dweight, c0, c1)
     _sum_cols(bparts, dbias, c0, c1)

@@ -145,10 +145,10 @@ def _empty_out(x, *inputs):
     the CPU placed clear of the inputs' 2**28-byte aliases, 64-byte aligned from
     16 MiB (``numba_fused._alloc``)."""
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if (not x.is_cpu or y.numel() * y.element_size() < _alloc.PLACE_MIN_BYTES
-            or _alloc.placed(y.data_ptr(), y.numel() * y.element_size(), x, (x,) + inputs)):
-        return y
     n = y.numel() * y.element_size()
+    if (not x.is_cpu or n < _alloc.PLACE_MIN_BYTES
+            or _alloc.placed(y.data_ptr(), n, x, (x,) + inputs)):
+        return y
     buf = torch.empty(n + _alloc.padding(x, (x,) + inputs), dtype=torch.uint8)
     o = _alloc.clear_offset(buf.data_ptr(), x, (x,) + inputs)
     return buf[o:o + n].view(x.dtype).view(x.shape)

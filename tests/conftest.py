@@ -92,6 +92,16 @@ def poisoned(shape, dtype):
     return np.full(shape, np.nan, dtype)
 
 
+def at_line_offset(shape, dtype, offset, fill):
+    """(buffer, view): a C-contiguous view of ``shape`` starting ``offset`` bytes
+    past a 64-byte boundary inside a byte buffer of ``fill`` with 256 bytes to
+    spare (a line offset decides whether stores may be non-temporal)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = np.full(nbytes + 256, fill, np.uint8)
+    o = -buf.ctypes.data % 64 + offset
+    return buf, buf[o:o + nbytes].view(dtype).reshape(shape)
+
+
 def bits(a):
     """The raw bytes of ``a`` in C order (bit comparison that treats NaN == NaN)."""
     a = np.ascontiguousarray(a)

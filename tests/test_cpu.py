@@ -12,7 +12,7 @@ from conftest import (BF16, DTYPES, F16, F32, F64, HALVES, LAYOUTS, TOL, acc_dty
                       assert_unmodified, copies, draw, draw_param, dtype_id, is_half,
                       ln_fwd_cond, norm_bwd_cond, param_grad_scale, poisoned, row_scale,
                       softmax_bwd_cond, stats_close, stats_scale, check_param_grad, call_op,
-                      check_op)
+                      check_op, at_line_offset)
 
 SHAPES = [(7,), (1, 1), (3, 5, 129), (64, 1000), (2, 4099),
           (4, 1), (4, 2), (5, 7), (4, 64), (3, 1000),
@@ -552,15 +552,6 @@ STREAM_CASES = [((4096, 1024), F32), ((4200, 1000), F32), ((1024, 4096), F32),
                 ((8192, 1024), BF16)]
 
 
-def _poisoned_at(shape, dtype, offset):
-    """(buffer, out): out of ``shape`` ``offset`` bytes past a 64-byte boundary in
-    a buffer of all-ones bytes (NaN in every float type)."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    buf = np.full(nbytes + 256, 0xFF, np.uint8)
-    o = -buf.ctypes.data % 64 + offset
-    return buf, buf[o:o + nbytes].view(dtype).reshape(shape)
-
-
 @pytest.mark.parametrize("shape, dtype", STREAM_CASES,
                          ids=[f"{dtype_id(d)}-{r}x{c}" for (r, c), d in STREAM_CASES])
 @pytest.mark.parametrize("op", OPS)
@@ -574,7 +565,7 @@ def test_streamed_outputs_hold_the_bits_of_ordinary_stores(rng, op, shape, dtype
     assert np.prod(shape) * np.dtype(dtype).itemsize >= cpu.STREAM_BYTES
     got = {}
     for offset in (0, 16):
-        buf, out = _poisoned_at(shape, dtype, offset)
+        buf, out = at_line_offset(shape, dtype, offset, 0xFF)    # all-ones bytes: NaN
         r = call_op(op, d, out=out)
         assert r[0] is out
         o = out.ctypes.data - buf.ctypes.data

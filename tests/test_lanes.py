@@ -9,7 +9,7 @@ from numba_fused import _dtypes as D
 from numba_fused import _lanes as L
 from numba_fused import _vecmath as V
 from numba_fused import cpu
-from conftest import BF16, F16, F32, F64, acc_dtype, dtype_id
+from conftest import BF16, F16, F32, F64, acc_dtype, at_line_offset, dtype_id
 from test_dtypes import ALL16, F32_CASES
 
 
@@ -166,15 +166,6 @@ def _copy_streamed(src, dst, k, on):
         L.lanes_store(out, c, L.lanes_load_like(src, c, kk, like), kk)
 
 
-def _at_offset(n, dtype, offset):
-    """(buffer, view): n elements of dtype ``offset`` bytes past a 64-byte
-    boundary inside a buffer of 0xAB bytes."""
-    itemsize = np.dtype(dtype).itemsize
-    buf = np.full(n * itemsize + 256, 0xAB, np.uint8)
-    o = -buf.ctypes.data % 64 + offset
-    return buf, buf[o:o + n * itemsize].view(dtype)
-
-
 @pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=dtype_id)
 def test_streamed_store_writes_what_the_store_writes(dtype):
     """lanes_store into ``streaming(row, on)``: the bytes of the ordinary store in
@@ -188,10 +179,10 @@ def test_streamed_store_writes_what_the_store_writes(dtype):
         src = rng.standard_normal(n).astype(_acc(dtype))
         for offset in (0, 16, 32):
             for k in (1 << 30, count - 3):        # whole blocks, or k lanes of each
-                _, want = _at_offset(n, st, offset)
+                _, want = at_line_offset(n, st, offset, 0xAB)
                 _copy_converted(src, want, k)
                 for on in (True, False):
-                    buf, dst = _at_offset(n, st, offset)
+                    buf, dst = at_line_offset(n, st, offset, 0xAB)
                     _copy_streamed(src, dst, k, on)
                     assert np.array_equal(dst.view(np.uint8), want.view(np.uint8))
                     o = dst.ctypes.data - buf.ctypes.data
