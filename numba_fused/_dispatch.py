@@ -43,7 +43,7 @@ class HostContext:
         return obj
 
     def empty(self, shape, dtype):
-        return np.empty(shape, dtype)
+        return _alloc.fresh(shape, dtype)
 
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype)
@@ -407,8 +407,8 @@ def _fresh_or(out, x):
 
 def _placed_or(out, like, *inputs):
     """``out``, or a fresh array like ``like`` placed where the kernel's stores into
-    it do not alias its loads from ``inputs`` (``_alloc``)."""
-    return _alloc.place(np.empty_like(like), like, inputs) if out is None else out
+    it do not alias its loads from ``inputs``, pooled when large (``_alloc``)."""
+    return _alloc.output(like, inputs) if out is None else out
 
 
 def _host_in_place(dx, dy, dyv):

@@ -1,0 +1,188 @@
+"""The output pool (numba_fused._alloc.Pool): outputs of POOL_MIN_BYTES and more
+reuse the buffers of dead outputs. Most tests lower the threshold so that small
+arrays go through the pool; one checks the real threshold."""
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import numba_fused as nf
+from numba_fused import _alloc
+from conftest import BF16, F32, assert_bits_equal, call_op, draw, draw_param
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    """A fresh pool, and outputs from 64 KiB through it."""
+    p = _alloc.Pool(1 << 30)
+    monkeypatch.setattr(_alloc, "POOL", p)
+    monkeypatch.setattr(_alloc, "POOL_MIN_BYTES", 1 << 16)
+    return p
+
+
+def _inputs(rng, op, shape, dtype):
+    cols = shape[-1]
+    d = {"x": draw(rng, shape, dtype), "dy": draw(rng, shape, dtype),
+         "weight": draw_param(rng, cols, "x", dtype), "bias": draw_param(rng, cols, "x", dtype)}
+    d["y"] = nf.softmax_fwd(d["x"])
+    if op.startswith("layer_norm"):
+        _, d["mean"], d["rstd"] = nf.layer_norm_fwd(d["x"], d["weight"], d["bias"])
+    else:
+        _, d["rstd"] = nf.rms_norm_fwd(d["x"], d["weight"])
+    return d
+
+
+OPS = ["softmax_fwd", "softmax_bwd", "rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd",
+       "layer_norm_bwd"]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("op", OPS)
+def test_outputs_reuse_dead_outputs_buffers_and_overwrite_them(rng, pool, op, dtype):
+    shape = (96, 700)
+    first, second = _inputs(rng, op, shape, dtype), _inputs(rng, op, shape, dtype)
+    expected = call_op(op, second, out=np.full(shape, np.nan, dtype))
+
+    got = call_op(op, first)[0]
+    assert pool.info()["fresh"] >= 1
+    buf = got.base
+    assert isinstance(buf.base, _alloc._Owner)
+    lo, hi = buf.ctypes.data, buf.ctypes.data + buf.nbytes
+    got[...] = np.nan                       # poison: the reuse must write every element
+    reused = pool.info()["reused"]
+    del got, buf
+    assert pool.info()["idle_buffers"] >= 1
+
+    again = call_op(op, second)
+    assert pool.info()["reused"] == reused + 1
+    assert lo <= again[0].ctypes.data and again[0].ctypes.data + again[0].nbytes <= hi
+    assert again[0].flags.c_contiguous and again[0].flags.writeable
+    for g, e, name in zip(again, expected, ["out", "2nd", "3rd"]):
+        if e is not None:
+            assert_bits_equal(g, e, f"{op} {name}")
+
+
+def test_a_view_keeps_its_buffer_out_of_the_pool(pool):
+    x = np.ones((64, 1024), np.float32)
+    y = nf.softmax_fwd(x)
+    tail = y[10:, 3:]
+    del y
+    assert pool.info()["idle_buffers"] == 0
+    y2 = nf.softmax_fwd(x)
+    assert not np.shares_memory(y2, tail)
+    assert pool.info()["fresh"] == 2
+    del tail
+    assert pool.info()["idle_buffers"] == 1
+    del y2
+    assert pool.info()["idle_buffers"] == 2
+
+
+def test_pool_holds_at_most_its_limit_and_releases(pool):
+    pool.set_limit(5 * MIB)
+    arrays = [pool.take(2 * MIB) for _ in range(3)]   # 2 MiB each, one POOL_STEP
+    del arrays
+    info = pool.info()
+    assert info["idle_buffers"] == 2 and info["idle_bytes"] == 4 * MIB
+    assert pool.set_limit(2 * MIB) == 5 * MIB and pool.info()["idle_bytes"] == 2 * MIB
+    assert pool.release() == 2 * MIB and pool.info()["idle_buffers"] == 0
+    pool.set_limit(0)
+    a = pool.take(MIB)
+    del a
+    assert pool.info()["idle_bytes"] == 0
+
+
+def test_public_functions_act_on_the_pool(pool):
+    a = nf.empty_like(np.empty((256, 1024), np.float32))
+    assert a.ctypes.data % 64 == 0 and pool.info()["fresh"] == 1
+    del a
+    assert nf.pool_info()["idle_buffers"] == 1
+    assert nf.release_pool() == 2 * MIB
+    assert nf.set_pool_limit(0) == 1 << 30 and nf.pool_info()["limit"] == 0
+
+
+def test_take_picks_the_smallest_idle_buffer_that_fits(pool):
+    big, small = pool.take(8 * MIB), pool.take(4 * MIB)
+    del big, small
+    a = pool.take(3 * MIB)
+    assert a.nbytes == 4 * MIB                        # one step above: shared
+    b = pool.take(3 * MIB)
+    assert b.nbytes == 4 * MIB                        # 8 MiB is too big: fresh
+    assert pool.info() == {"limit": 1 << 30, "idle_bytes": 8 * MIB, "idle_buffers": 1,
+                           "reused": 1, "fresh": 3}
+
+
+@pytest.mark.parametrize("bad, exc", [(-1, ValueError), (1.5, TypeError), ("1", TypeError),
+                                      (True, TypeError)])
+def test_set_pool_limit_rejects_bad_sizes_naming_the_argument(bad, exc):
+    with pytest.raises(exc, match="nbytes"):
+        nf.set_pool_limit(bad)
+
+
+@pytest.mark.parametrize("value, expect", [("12345", "12345"), ("abc", "NUMBA_FUSED_POOL_BYTES"),
+                                           ("-5", "NUMBA_FUSED_POOL_BYTES")])
+def test_pool_limit_from_the_environment(value, expect):
+    r = subprocess.run([sys.executable, "-c", "import numba_fused as nf; print(nf.pool_info()['limit'])"],
+                       capture_output=True, text=True, env={**__import__("os").environ,
+                                                            "NUMBA_FUSED_POOL_BYTES": value})
+    assert expect in (r.stdout if expect.isdigit() else r.stderr), (r.stdout, r.stderr)
+
+
+def test_real_threshold_pools_outputs_from_32_mib(monkeypatch):
+    p = _alloc.Pool(1 << 30)
+    monkeypatch.setattr(_alloc, "POOL", p)
+    rows = _alloc.POOL_MIN_BYTES // 4096
+    below = nf.softmax_fwd(np.ones((rows - 1, 1024), np.float32))
+    assert p.info()["fresh"] == 0
+    at = nf.softmax_fwd(np.ones((rows, 1024), np.float32))
+    assert p.info()["fresh"] == 1 and at.ctypes.data % 64 == 0
+    assert np.all(at == 2.0 ** -10) and np.all(below == 2.0 ** -10)
+
+
+def test_concurrent_threads_never_share_a_live_buffer(pool):
+    """8 threads take and drop buffers of a few sizes; each fills its live arrays
+    with its own byte and checks them after the others had their turns."""
+    pool.set_limit(16 * MIB)
+    errors, start = [], threading.Barrier(8)
+
+    def work(k):
+        try:
+            start.wait()
+            for i in range(40):
+                live = [pool.take((1 + (k + i + j) % 3) * MIB) for j in range(2)]
+                for a in live:
+                    a[::4096] = k
+                for a in live:
+                    if not np.all(a[::4096] == k):
+                        errors.append(f"thread {k} round {i}: another thread wrote its buffer")
+                del live
+        except Exception as e:          # pragma: no cover - reported below
+            errors.append(repr(e))
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    info = pool.info()
+    assert info["idle_bytes"] <= 16 * MIB and info["reused"] + info["fresh"] == 8 * 40 * 2
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_torch_outputs_come_from_the_pool(pool, dtype_name):
+    torch = pytest.importorskip("torch")
+    import numba_fused.torch as nft
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(3)
+    x1, x2 = (torch.randn(96, 700, generator=g).to(dtype) for _ in range(2))
+    expected = torch.softmax(x2.float(), -1).to(dtype)
+    y = nft._softmax_fwd_impl(x1)
+    assert pool.info()["fresh"] == 1 and y.is_contiguous() and y.dtype == dtype
+    y.fill_(float("nan"))
+    del y
+    y = nft._softmax_fwd_impl(x2)
+    assert pool.info()["reused"] == 1
+    torch.testing.assert_close(y.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
