@@ -142,6 +142,10 @@ class Pool:
         # that holds the lock (a garbage collection inside take)
         self._lock = threading.RLock()
 
+    def _after_fork(self):
+        # a thread of the parent may have held the lock when it forked
+        self._lock = threading.RLock()
+
     def take(self, nbytes):
         raw = None
         with self._lock:
@@ -216,6 +220,8 @@ def _env_limit():
 
 
 POOL = Pool(_env_limit())
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: POOL._after_fork())
 
 
 def set_pool_limit(nbytes):

@@ -186,3 +186,27 @@ def test_torch_outputs_come_from_the_pool(pool, dtype_name):
     y = nft._softmax_fwd_impl(x2)
     assert pool.info()["reused"] == 1
     torch.testing.assert_close(y.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_child_forked_while_another_thread_holds_the_pool_can_allocate():
+    """The child re-creates the pool's lock: a parent thread inside the pool when
+    the process forked must not leave the child's first large output waiting."""
+    script = """
+import os, threading, numpy as np, numba_fused as nf
+from numba_fused import _alloc
+held, release = threading.Event(), threading.Event()
+def hold():
+    with _alloc.POOL._lock:
+        held.set(); release.wait()
+t = threading.Thread(target=hold); t.start(); held.wait()
+pid = os.fork()
+if pid == 0:
+    a = _alloc.POOL.take(1 << 21); del a
+    os._exit(0 if _alloc.POOL.info()["idle_buffers"] == 1 else 3)
+release.set(); t.join()
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "child 0" in r.stdout, (r.stdout, r.stderr)
