@@ -55,7 +55,11 @@ class HostContext:
         return D.to_storage(a)
 
     def contiguous(self, a):
-        return np.ascontiguousarray(a)
+        if a.flags.c_contiguous or a.ndim == 0 or a.nbytes < _alloc.POOL_MIN_BYTES:
+            return np.ascontiguousarray(a)
+        c = _alloc.fresh(a.shape, a.dtype)     # a large copy: from the pool
+        c[...] = a
+        return c
 
     def reshape_view(self, a, shape):
         """``a`` reshaped without a copy, or None where that needs one."""

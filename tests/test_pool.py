@@ -210,3 +210,16 @@ print("child", os.waitstatus_to_exitcode(status))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert "child 0" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_large_copies_of_strided_inputs_come_from_the_pool_and_go_back(rng, pool):
+    """x[:, ::2] runs through one C-order copy (README, Inputs): a large one is
+    taken from the pool and returned after the call."""
+    wide = draw(rng, (64, 2048), F32)
+    x = wide[:, ::2]
+    expected = nf.softmax_fwd(np.ascontiguousarray(x))
+    before = pool.info()["fresh"] + pool.info()["reused"]
+    got = nf.softmax_fwd(x)
+    assert pool.info()["fresh"] + pool.info()["reused"] == before + 2   # the copy, y
+    assert pool.info()["idle_buffers"] >= 1                              # the copy is back
+    assert_bits_equal(got, expected, "softmax_fwd of a strided view")
