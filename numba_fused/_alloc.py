@@ -57,8 +57,19 @@ POOL_MIN_BYTES = 1 << 25
 #: serves requests down to 8/9 of its size, so outputs of one shape share buffers
 #: whatever padding their inputs ask for
 POOL_STEP = 1 << 21
-#: default cap on the bytes of idle buffers POOL holds (NUMBA_FUSED_POOL_BYTES)
-POOL_LIMIT = 1 << 30
+
+
+def _default_limit():
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 1 << 30
+    return min(1 << 30, ram // 8)
+
+
+#: default cap on the bytes of idle buffers POOL holds: 1 GiB, or an eighth of the
+#: machine's memory if that is less (NUMBA_FUSED_POOL_BYTES overrides it)
+POOL_LIMIT = _default_limit()
 
 
 def _window(like):
@@ -226,7 +237,8 @@ if hasattr(os, "register_at_fork"):
 
 def set_pool_limit(nbytes):
     """Cap the bytes of idle output buffers numba_fused keeps for reuse (outputs of
-    32 MiB and more; default 1 GiB, or the environment's NUMBA_FUSED_POOL_BYTES);
+    32 MiB and more; default 1 GiB or an eighth of the machine's memory, whichever
+    is less, or the environment's NUMBA_FUSED_POOL_BYTES);
     0 keeps none. Frees idle buffers beyond the new cap now; returns the old cap."""
     return POOL.set_limit(nbytes)
 
