@@ -791,6 +791,8 @@ def _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0, c1):
     s = g = lanes_zeros(ya)
     step = lanes_count(s)
     for c in range(c0, c1 - step + 1, step):
+        _prefetch_halves(ya, c + PREFETCH_AHEAD)
+        _prefetch_halves(dya, c + PREFETCH_AHEAD)
         _softmax_bwd_block(yc, dyc, dot, dxc, c, step)
         s, g = _grad_sums_block(dya, None, ya, zero, s, g, c, step)
     if (c1 - c0) % step:
@@ -1442,6 +1444,8 @@ def _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweig
     s = g = lanes_zeros(xc)
     step = lanes_count(s)
     for c in range(c0, c1 - step + 1, step):
+        _prefetch_halves(dya, c + PREFETCH_AHEAD)
+        _prefetch_halves(xa, c + PREFETCH_AHEAD)
         _norm_bwd_block(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight, dbias,
                         first, c, step)
         s, g = _grad_sums_block(dya, weight, xa, meana, s, g, c, step)
@@ -1612,11 +1616,17 @@ def _exps_into_impl(y, scratch):
 
 def _prefetch_halves(a, c):
     """``prefetch(a, c)`` for float16/bfloat16 rows, nothing for float32/float64:
-    the pipelined forwards' read streams, PREFETCH_AHEAD elements ahead. Why: the
+    the pipelined stages' read streams, PREFETCH_AHEAD elements ahead. Why: the
     half forwards spend ~2x the compute per byte, and the hardware prefetchers
     alone left memory idle during it (ab.py --evict 512, 2026-12-05, bfloat16
     4096x4096 and 65536x1024: layer_norm fwd 1.15-1.32x, rms_norm fwd 1.05-1.07x,
-    softmax fwd 1.04-1.09x; float32 0.85-1.07x, noise, so not there)."""
+    softmax fwd 1.04-1.09x; float32 0.85-1.07x, noise, so not there). The
+    backwards' stages likewise (ab.py --evict 64, 2026-12-06, bfloat16 4096x4096,
+    three runs of four: softmax bwd 1.08-1.21x, rms_norm bwd 1.16-1.31x, layer_norm
+    bwd 1.37-1.55x, fwd+bwd 1.09-1.22x, 1024x8192 and 2048x4096 1.04-1.35x; the
+    fourth run 0.91-1.08x; float16 1.05-1.07x; float32 0.87-1.03x, so not there;
+    the halves' row path below 4,096 columns, prefetching its sums pass:
+    0.95-1.02x, so not there)."""
     raise NotImplementedError
 
 
