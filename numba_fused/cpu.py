@@ -1752,7 +1752,7 @@ def _pipeline_chunks(rows, threads):
 #: in float32/float64, from HALF_BWD_PIPELINE_COLS columns in float16/bfloat16
 #: (see _rows_pipelined)
 BWD_PIPELINE_BYTES = 1 << 14
-HALF_BWD_PIPELINE_COLS = 1 << 12
+HALF_BWD_PIPELINE_COLS = 1 << 11
 
 
 def _rows_pipelined(x):
@@ -1776,7 +1776,11 @@ def _rows_pipelined_impl(x):
     1.10), 8192x2048 rms_norm 1.14-1.22x but layer_norm 0.83-0.98x; 0.93-0.97x in
     cache; 4096 columns 0.87-0.94x, 16384 0.94-0.99x, hence the floor at 4096 (it
     was 64: with the element-loop store the row path ran 0.77-0.92x in cache from
-    64 columns up)."""
+    64 columns up). 2048 since 2026-12-06, once the pipelined stage prefetched its
+    half read streams (``_prefetch_halves``): pipelined against the row path, ab.py
+    --evict 64, 11 rounds, 8192x2048 and 32768x2048: bfloat16 backwards 1.16-1.23x,
+    fwd+bwd 1.09-1.24x, float16 1.08-1.26x; in cache (128x2048, 512x2048, bfloat16)
+    1.01-1.19x. 1024 columns (65536x1024): 0.96-1.10x, so not there."""
     if x.dtype in (types.float32, types.float64):
         floor = BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
     else:
