@@ -54,8 +54,8 @@ ALIGN = 64
 #: outputs of this many bytes or more come from POOL (module docstring)
 POOL_MIN_BYTES = 1 << 25
 #: pooled buffers are sized in steps of this (a huge page), and an idle buffer
-#: serves requests down to 8/9 of its size, so outputs of one shape share buffers
-#: whatever padding their inputs ask for
+#: serves requests from 8/9 of its size less a step, so outputs of one shape
+#: share buffers whatever padding their inputs ask for
 POOL_STEP = 1 << 21
 
 
@@ -238,8 +238,8 @@ if hasattr(os, "register_at_fork"):
 def set_pool_limit(nbytes):
     """Cap the bytes of idle output buffers numba_fused keeps for reuse (outputs of
     32 MiB and more; default 1 GiB or an eighth of the machine's memory, whichever
-    is less, or the environment's NUMBA_FUSED_POOL_BYTES);
-    0 keeps none. Frees idle buffers beyond the new cap now; returns the old cap."""
+    is less, or the environment's NUMBA_FUSED_POOL_BYTES); 0 keeps none. Frees
+    idle buffers beyond the new cap now; returns the old cap."""
     return POOL.set_limit(nbytes)
 
 

@@ -1625,8 +1625,8 @@ def _prefetch_halves(a, c):
     three runs of four: softmax bwd 1.08-1.21x, rms_norm bwd 1.16-1.31x, layer_norm
     bwd 1.37-1.55x, fwd+bwd 1.09-1.22x, 1024x8192 and 2048x4096 1.04-1.35x; the
     fourth run 0.91-1.08x; float16 1.05-1.07x; float32 0.87-1.03x, so not there;
-    the halves' row path below 4,096 columns, prefetching its sums pass:
-    0.95-1.02x, so not there)."""
+    the halves' row path (rows under HALF_BWD_PIPELINE_COLS), prefetching its
+    sums pass: 0.95-1.02x, so not there)."""
     raise NotImplementedError
 
 
