@@ -271,12 +271,9 @@ def output(like, inputs):
     """A fresh C-contiguous array like the array ``like`` for an op over the NumPy
     ``inputs``: placed clear of their aliases (``place``), and from POOL when it
     has POOL_MIN_BYTES or more."""
-    nbytes = like.size * like.itemsize
-    if nbytes < POOL_MIN_BYTES:
+    if like.nbytes < POOL_MIN_BYTES:
         return place(np.empty(like.shape, like.dtype), like, inputs)
-    buf = POOL.take(nbytes + padding(like, inputs))
-    o = clear_offset(buf.ctypes.data, like, inputs)
-    return buf[o:o + nbytes].view(like.dtype).reshape(like.shape)
+    return _carve(POOL.take(like.nbytes + padding(like, inputs)), like, like, inputs)
 
 
 def place(out, like, inputs):
@@ -285,9 +282,14 @@ def place(out, like, inputs):
     of the NumPy ``inputs`` (module docstring) and ALIGN-aligned."""
     if out.nbytes < PLACE_MIN_BYTES or placed(out.ctypes.data, out.nbytes, like, inputs):
         return out
-    buf = np.empty(out.nbytes + padding(like, inputs), np.uint8)
+    return _carve(np.empty(out.nbytes + padding(like, inputs), np.uint8), out, like, inputs)
+
+
+def _carve(buf, proto, like, inputs):
+    """An array of proto's shape and dtype at ``clear_offset`` into the byte
+    buffer ``buf`` (``padding`` bytes larger than proto)."""
     o = clear_offset(buf.ctypes.data, like, inputs)
-    return buf[o:o + out.nbytes].view(out.dtype).reshape(out.shape)
+    return buf[o:o + proto.nbytes].view(proto.dtype).reshape(proto.shape)
 
 
 def empty_like(like, *inputs):

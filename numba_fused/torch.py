@@ -147,13 +147,12 @@ def _empty_out(x, *inputs):
     n = x.numel() * x.element_size()
     if x.is_cpu and n >= _alloc.POOL_MIN_BYTES:
         buf = torch.from_numpy(_alloc.POOL.take(n + _alloc.padding(x, (x,) + inputs)))
-        o = _alloc.clear_offset(buf.data_ptr(), x, (x,) + inputs)
-        return buf[o:o + n].view(x.dtype).view(x.shape)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if (not x.is_cpu or n < _alloc.PLACE_MIN_BYTES
-            or _alloc.placed(y.data_ptr(), n, x, (x,) + inputs)):
-        return y
-    buf = torch.empty(n + _alloc.padding(x, (x,) + inputs), dtype=torch.uint8)
+    else:
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if (not x.is_cpu or n < _alloc.PLACE_MIN_BYTES
+                or _alloc.placed(y.data_ptr(), n, x, (x,) + inputs)):
+            return y
+        buf = torch.empty(n + _alloc.padding(x, (x,) + inputs), dtype=torch.uint8)
     o = _alloc.clear_offset(buf.data_ptr(), x, (x,) + inputs)
     return buf[o:o + n].view(x.dtype).view(x.shape)
 

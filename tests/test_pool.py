@@ -1,6 +1,7 @@
 """The output pool (numba_fused._alloc.Pool): outputs of POOL_MIN_BYTES and more
 reuse the buffers of dead outputs. Most tests lower the threshold so that small
 arrays go through the pool; one checks the real threshold."""
+import os
 import subprocess
 import sys
 import threading
@@ -126,7 +127,7 @@ def test_set_pool_limit_rejects_bad_sizes_naming_the_argument(bad, exc):
                                            ("-5", "NUMBA_FUSED_POOL_BYTES")])
 def test_pool_limit_from_the_environment(value, expect):
     r = subprocess.run([sys.executable, "-c", "import numba_fused as nf; print(nf.pool_info()['limit'])"],
-                       capture_output=True, text=True, env={**__import__("os").environ,
+                       capture_output=True, text=True, env={**os.environ,
                                                             "NUMBA_FUSED_POOL_BYTES": value})
     assert expect in (r.stdout if expect.isdigit() else r.stderr), (r.stdout, r.stderr)
 
@@ -188,7 +189,7 @@ def test_torch_outputs_come_from_the_pool(pool, dtype_name):
     torch.testing.assert_close(y.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_while_another_thread_holds_the_pool_can_allocate():
     """The child re-creates the pool's lock: a parent thread inside the pool when
     the process forked must not leave the child's first large output waiting."""
