@@ -93,8 +93,8 @@ def _fma_lanes(a, b, c):
 @pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=dtype_id)
 @pytest.mark.parametrize("cols", [5, 64, 1000, 4099])
 def test_cpu_sum_sq_and_grad_sums_follow_the_documented_order(dtype, cols):
-    """The kernels' reductions themselves, replayed: (x - center)**2 and x - center
-    per lane, dot = fma(dy * weight, x - center, dot) with x - center 0 in the
+    """The kernels' reductions themselves, replayed: ss = fma(d, d, ss) and x - center
+    per lane (d = x - center), dot = fma(dy * weight, x - center, dot) with x - center 0 in the
     zero-padded lanes, and dy * weight."""
     rng = np.random.default_rng(cols + 1)
     acc = _acc(dtype)
@@ -110,7 +110,7 @@ def test_cpu_sum_sq_and_grad_sums_follow_the_documented_order(dtype, cols):
                                           _blocks(wv, count))):
         keep = b * count + np.arange(count) < cols
         d = np.where(keep, xb - center, acc(0))
-        ss = ss + d * d
+        ss = _fma_lanes(d, d, ss)
         sd = sd + d
         g = dyb * wb
         dot = _fma_lanes(g, d, dot)
