@@ -20,8 +20,8 @@ over 91% correctly rounded. On AVX-512 float32's ``exp_nonpos`` reduces by ln2/1
 instead and reads 2**(j/16) from a 16-entry table with one vector permute
 (``exp_nonpos_f32_table``): a degree-3 polynomial, 12 vector operations per
 vector instead of 14, <= 1.06 ulp, 82% correctly rounded; the bfloat16 softmax
-forward, bound by its arithmetic, gained 1.08-1.15x (2026-12-06). exp(-inf) = +0 exactly, overflow gives +inf, NaN
-propagates.
+forward, bound by its arithmetic, gained 1.08-1.15x (2026-12-06).
+exp(-inf) = +0 exactly, overflow gives +inf, NaN propagates.
 
 Compiled without 'reassoc': the magic-number rounding ``(t + M) - M`` must not
 be folded away.
@@ -235,6 +235,7 @@ def _exp2_16ths(typingctx, t):
     def codegen(context, builder, sig, args):
         return apply(context, builder, sig, args, lookup)
     return t(t), codegen
+
 
 _FLAGS = {'nsz'}   # no 'contract': see the note at the top of cpu.py
 
