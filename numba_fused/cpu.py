@@ -47,7 +47,7 @@ from numba.np.numpy_support import as_dtype
 from llvmlite import ir
 
 from . import _cache  # noqa: F401  (cache stamps: before any cached kernel)
-from ._alloc import ALIAS_SPAN, STREAM_BYTES
+from ._alloc import ALIAS_SPAN, ALIGN, STREAM_BYTES
 from ._dtypes import acc, acc_numba_type, narrow, widen
 from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store, prefetch,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
@@ -2593,7 +2593,8 @@ class _Scratch:
     lock (it cost ~1 us of a 5 us small call). glibc serves 128 KiB and more from
     fresh mmaps (its default M_MMAP_THRESHOLD), so ``small`` stays below that: at
     256 KiB, the (32, 1024) float32 partials of a 128x1024 layer_norm bwd faulted
-    in on every call (backend 144 vs 64 us, measured 2026-12-03).
+    in on every call (backend 144 vs 64 us, measured 2026-12-03). The pooled
+    buffers start on a cache line (``_on_lines``).
     """
 
     def __init__(self, limit=32 << 20, small=64 << 10):
@@ -2611,15 +2612,33 @@ class _Scratch:
                 a = free.pop()
                 self._bytes -= a.nbytes
                 return a
-        return np.empty(shape, dtype)
+        return _on_lines(shape, dtype)
 
     def give(self, a):
-        if a is None or a.nbytes < self._small or a.base is not None:
-            return      # small, or a view of a caller's buffer (see _partials)
+        # ours: views of a byte buffer (_on_lines); a partial row that is the
+        # caller's dweight/dbias (see _partials) never is
+        if a is None or a.nbytes < self._small or a.base is None or a.base.dtype != np.uint8:
+            return
         with self._lock:
             if self._bytes + a.nbytes <= self._limit:
                 self._free.setdefault((a.shape, a.dtype), []).append(a)
                 self._bytes += a.nbytes
+
+
+def _on_lines(shape, dtype):
+    """An empty (rows, cols) array that starts on a cache line (a view of a byte
+    buffer), so the partial rows' vectors do not straddle lines. NumPy starts
+    large arrays 16 bytes into a page: every 64-byte part of the half backwards'
+    partials (float32 zmm) and every other 32-byte part of float32's (ymm) then
+    spanned two lines, and the partials are read and written once a row.
+    ab.py --evict 64 against np.empty, AMD EPYC, 2026-12-06: bfloat16 4096x4096
+    rms_norm bwd 1.25x, layer_norm bwd 1.22x (8192x2048 1.23x), fwd+bwd
+    1.12-1.13x; float32 4096x4096 bwd 1.07-1.08x, 65536x1024 layer_norm bwd
+    1.08x; 1024x16384 and 256x1024 even (0.97-1.03x)."""
+    n = shape[0] * shape[1] * dtype.itemsize
+    buf = np.empty(n + ALIGN, np.uint8)
+    o = -buf.ctypes.data % ALIGN
+    return buf[o:o + n].view(dtype).reshape(shape)
 
 
 _SCRATCH = _Scratch()

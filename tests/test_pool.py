@@ -224,3 +224,42 @@ def test_large_copies_of_strided_inputs_come_from_the_pool_and_go_back(rng, pool
     assert pool.info()["fresh"] + pool.info()["reused"] == before + 2   # the copy, y
     assert pool.info()["idle_buffers"] >= 1                              # the copy is back
     assert_bits_equal(got, expected, "softmax_fwd of a strided view")
+
+
+def test_partial_rows_start_on_a_cache_line_and_are_reused():
+    """The dweight/dbias partials (cpu._Scratch): pooled buffers start on a cache
+    line, go back once and come out again; small ones and views of a caller's
+    dweight never enter the pool."""
+    from numba_fused import cpu
+    scratch = cpu._Scratch(limit=8 * MIB, small=1 << 16)
+    a = scratch.take((32, 1024), np.float32)
+    assert a.shape == (32, 1024) and a.dtype == np.float32 and a.flags.c_contiguous
+    assert a.ctypes.data % 64 == 0
+    scratch.give(a)
+    assert scratch.take((32, 1024), np.float32) is a
+    assert scratch.take((32, 1024), np.float32) is not a      # taken: a fresh one
+    small = scratch.take((4, 256), np.float32)
+    scratch.give(small)
+    assert scratch.take((4, 256), np.float32) is not small
+    dweight = np.empty(1 << 16, np.float32)
+    scratch.give(dweight[None])
+    assert scratch.take((1, 1 << 16), np.float32) is not None
+    assert scratch._bytes == 0
+
+
+@pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_backwards_overwrite_pooled_partials(rng, op, dtype):
+    """A backward whose partials come from the pool (256x1024: 32 partial rows of
+    128 KiB) gives the same bits again after its idle partial buffers were
+    poisoned with NaN: every partial row is assigned before it is added to."""
+    from numba_fused import cpu
+    d = _inputs(rng, op, (256, 1024), dtype)
+    first = call_op(op, d)
+    idle = [a for buffers in cpu._SCRATCH._free.values() for a in buffers]
+    assert any(a.shape == (32, 1024) and a.ctypes.data % 64 == 0 for a in idle)
+    for a in idle:
+        a.fill(np.nan)
+    again = call_op(op, d)
+    for g, e, name in zip(again, first, ["dx", "dweight", "dbias"]):
+        assert_bits_equal(g, e, f"{op} {name}")
