@@ -901,7 +901,9 @@ def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi):
     operations: a row's bits do not depend on lo and hi (so neither on the thread
     count), and a chunk of one row is the plain two-pass row. Pipelined: ab.py
     median ratios 0.97-1.28x over float32, bfloat16 and float64 (2026-12-04).
-    Rows of PAIR_BYTES and more go two at a time (``_rms_norm_fwd_pairs``)."""
+    Rows of PAIR_BYTES and more go two at a time (``_rms_norm_fwd_pairs``). y is
+    written with non-temporal stores from STREAM_BYTES on in every dtype (see
+    ``_fwd_stream``)."""
     if _paired(x, lo, hi):
         _rms_norm_fwd_pairs(x, weight, eps, y, rstd, lo, hi)
         return
@@ -911,7 +913,7 @@ def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi):
     for r in range(lo, hi - 1):
         xa = _row_at(x, r + 1)
         ss = _rms_norm_fwd_stage(xa, _row_at(x, r), weight, rc,
-                                 _fwd_stream(_row_at(y, r), stream))
+                                 streaming(_row_at(y, r), stream))
         rc = _rms_norm_rstd(xa, ss, eps)
         rstd[r + 1] = rc
     _rms_norm_store(_row_at(x, hi - 1), weight, rc, _row_at(y, hi - 1))
@@ -957,8 +959,8 @@ def _rms_norm_fwd_pairs(x, weight, eps, y, rstd, lo, hi):
         s0, s1 = _rms_norm_fwd_stage2_at(
             x.shape[2], _data(_row_at(x, r + 2)), _data(_row_at(x, r + 3)),
             _data(_row_at(x, r)), _data(_row_at(x, r + 1)), _data(weight),
-            acc(x, rstd[r]), acc(x, rstd[r + 1]), _fwd_stream(_row_at(y, r), stream),
-            _fwd_stream(_row_at(y, r + 1), stream))
+            acc(x, rstd[r]), acc(x, rstd[r + 1]), streaming(_row_at(y, r), stream),
+            streaming(_row_at(y, r + 1), stream))
         rstd[r + 2] = _rms_norm_rstd(_row_at(x, r + 2), s0, eps)
         rstd[r + 3] = _rms_norm_rstd(_row_at(x, r + 3), s1, eps)
         r += 2
@@ -1621,7 +1623,12 @@ def _fwd_stream(row, on):
     compute-bound here, and non-temporal stores cost them time (ab.py --evict 64,
     AMD EPYC, 2026-12-06, bfloat16: softmax fwd 0.87-0.92x at 4096x4096 and
     8192x2048, layer_norm fwd 0.89x at 65536x1024); a plain row also compiles
-    no second store path."""
+    no second store path. Retried on 2026-12-06 (evening), after the half
+    forwards had lost some 10-20% of their arithmetic: softmax fwd still
+    0.84-0.93x, layer_norm fwd 0.96-0.97x, but rms_norm fwd bfloat16 1.26-1.39x
+    (4096x4096, 8192x2048, 65536x1024; 1.16x at 1024x16384; float16 0.99x), so
+    the rms_norm forward streams in every dtype (``streaming`` itself).
+    Why bfloat16 and not the others was not found."""
     raise NotImplementedError
 
 
