@@ -73,7 +73,7 @@ KERNELS = None
 #: Sample length the auto ``number`` (calls per sample) aims for, seconds.
 MIN_SAMPLE_S = 2e-3
 #: Pause before each timed sample (see ``time_interleaved``), seconds.
-SETTLE_S = 3e-3
+SETTLE_S = 20e-3
 #: Warm-up: at least this many calls and this long after the first call.
 WARM_CALLS, WARM_S = 2, 0.02
 
@@ -673,9 +673,19 @@ def _warm(impl):
 
 def time_interleaved(impls, repeat):
     """``repeat`` rounds; each round samples every implementation once, starting
-    from a different one each round. A short pause before each sample lets the
+    from a different one each round. A pause before each sample lets the
     previous runtime's worker threads (OpenMP, XLA's pool) stop spinning, so
-    they do not steal the cores from the next implementation."""
+    they do not steal the cores from the next implementation.
+
+    Why 20 ms (3 ms until 2026-12-06): XLA's pool went on taking cores for
+    longer. AMD EPYC VM, 2026-12-06, 4096x4096 fwd+bwd, OMP_WAIT_POLICY=PASSIVE:
+    numba_fused's bfloat16 layer_norm took 5.3-5.8 ms with no peers, or with
+    torch or NumPy beside it, but 7.4 ms with JAX beside it; with every peer,
+    7.3-7.6 ms after 3 ms pauses and 5.6-5.7 ms after 20 ms ones (bfloat16
+    rms_norm 8.1-8.3 and 4.3-4.4 ms); a 20 ms pause after JAX's samples only
+    left 6.9-7.2 ms. Not longer: 100 ms pauses slowed every implementation,
+    the copy too (1.4-2x; an idle VM wakes slowly), and each sample's untimed
+    lead-in call (``_sample``) takes the wake-up cost of a shorter pause."""
     k = len(impls)
     for r in range(repeat):
         for j in range(k):

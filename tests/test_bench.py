@@ -403,3 +403,20 @@ def test_sample_leads_with_an_untimed_call():
     t = B._sample(impl)
     assert len(calls) == 4
     assert t < 0.05
+
+
+def test_each_sample_waits_settle_s_first(monkeypatch):
+    """Every sample is preceded by a SETTLE_S pause (the previous runtime's
+    threads stop spinning), rounds rotate the starting implementation, and
+    SETTLE_S = 0 pauses never."""
+    monkeypatch.setattr(B, "SETTLE_S", 0.02)
+    pauses, order = [], []
+    monkeypatch.setattr(B.time, "sleep", pauses.append)
+    impls = [B.Impl(name, lambda name=name: order.append(name)) for name in ("a", "b", "c")]
+    B.time_interleaved(impls, 2)
+    assert order[1::2] == ["a", "b", "c", "b", "c", "a"]     # lead-in call, then timed
+    assert pauses == [0.02] * 6
+    monkeypatch.setattr(B, "SETTLE_S", 0.0)
+    pauses.clear()
+    B.time_interleaved(impls, 1)
+    assert pauses == [] and [len(i.samples) for i in impls] == [3, 3, 3]
