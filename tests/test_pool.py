@@ -238,13 +238,13 @@ def test_partial_rows_start_on_a_cache_line_and_are_reused():
     scratch.give(a)
     assert scratch.take((32, 1024), np.float32) is a
     assert scratch.take((32, 1024), np.float32) is not a      # taken: a fresh one
+    assert scratch._bytes == 0
     small = scratch.take((4, 256), np.float32)
     scratch.give(small)
-    assert scratch.take((4, 256), np.float32) is not small
-    dweight = np.empty(1 << 16, np.float32)
+    assert scratch._bytes == 0 and scratch.take((4, 256), np.float32) is not small
+    dweight = np.empty(1 << 16, np.float32)        # 256 KiB: a caller's, as a partial row
     scratch.give(dweight[None])
-    assert scratch.take((1, 1 << 16), np.float32) is not None
-    assert scratch._bytes == 0
+    assert scratch._bytes == 0 and scratch.take((1, 1 << 16), np.float32).base is not dweight
 
 
 @pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
