@@ -23,7 +23,8 @@ launch costs more than the work. Rows run software-pipelined (``_softmax_fwd_row
 ``_softmax_bwd_rows``, the norms' ``*_fwd_rows`` and ``_norm_bwd_rows``), one chunk of
 rows per thread: one pass over the columns takes the next row's sums while it
 stores the current row, so memory and compute overlap. Where that measured slower
-(on the AMD EPYC, float32/float64 backwards on rows under 16 KiB), a row takes its
+(on the AMD EPYC, float32/float64 backwards on rows under 8 KiB, 16 KiB for the
+softmax, and float16/bfloat16 norm backwards under 128 columns), a row takes its
 two passes in turn; the softmax forward goes by blocks on long rows
 (``_softmax_fwd_long_row``; from 4 KiB rows in float32/float64).
 
@@ -768,14 +769,15 @@ def _softmax_bwd_pipelined(y):
 @overload(_softmax_bwd_pipelined)
 def _softmax_bwd_pipelined_impl(y):
     """Whether a softmax backward runs its rows pipelined: float32/float64 rows of
-    BWD_PIPELINE_BYTES or more (as the norm backwards, ``_rows_pipelined``), and
-    every float16/bfloat16 row; other rows take their two passes in turn. Row path
+    SOFTMAX_BWD_PIPELINE_BYTES or more, and every float16/bfloat16 row; other rows
+    take their two passes in turn. Row path
     against pipelined, ab.py, AMD EPYC, 2026-12-05, float32 from memory: 256-2048
     columns 1.04-1.31x (65536x1024 1.08-1.12x), 4096 columns 0.95-1.01x, 16384
     0.98x; in cache 1.04-1.23x. bfloat16: 1.02-1.15x from memory but 0.90-0.98x in
     cache, so not there."""
     if y.dtype in (types.float32, types.float64):
-        return lambda y: _rows_pipelined(y)
+        floor = SOFTMAX_BWD_PIPELINE_BYTES // (y.dtype.bitwidth // 8)
+        return lambda y: y.shape[2] >= floor
     return lambda y: True
 
 
@@ -1789,9 +1791,11 @@ def _pipeline_chunks(rows, threads):
 
 #: norm backwards run pipelined (``_norm_bwd_rows``) from rows of this many bytes
 #: in float32/float64, from HALF_BWD_PIPELINE_COLS columns in float16/bfloat16
-#: (see _rows_pipelined)
-BWD_PIPELINE_BYTES = 1 << 14
-HALF_BWD_PIPELINE_COLS = 1 << 11
+#: (see _rows_pipelined); float32/float64 softmax backwards from
+#: SOFTMAX_BWD_PIPELINE_BYTES (see _softmax_bwd_pipelined)
+BWD_PIPELINE_BYTES = 1 << 13
+HALF_BWD_PIPELINE_COLS = 1 << 7
+SOFTMAX_BWD_PIPELINE_BYTES = 1 << 14
 
 
 def _rows_pipelined(x):
@@ -1819,7 +1823,19 @@ def _rows_pipelined_impl(x):
     half read streams (``_prefetch_halves``): pipelined against the row path, ab.py
     --evict 64, 11 rounds, 8192x2048 and 32768x2048: bfloat16 backwards 1.16-1.23x,
     fwd+bwd 1.09-1.24x, float16 1.08-1.26x; in cache (128x2048, 512x2048, bfloat16)
-    1.01-1.19x. 1024 columns (65536x1024): 0.96-1.10x, so not there."""
+    1.01-1.19x. 1024 columns (65536x1024): 0.96-1.10x, so not there.
+
+    Lowered on 2026-12-06 (evening), once the dweight/dbias partial rows started
+    on cache lines (``_on_lines``): the pipelined stage adds a row's terms into its
+    partial row while it loads the next row, and the split partial stores had
+    cost it most. Pipelined against the row path, ab.py --evict 64, 11 rounds:
+    float32 2048 columns (8192x2048, 16384x2048, 32768x2048) 1.10-1.33x, fwd+bwd
+    1.06-1.17x, in cache 2048x2048 1.25-1.29x, 512x2048 0.98-1.05x, 128x2048
+    1.01x; float32 1024 columns 0.87x (layer_norm) and 1.15x (rms_norm): not
+    there. bfloat16 1024 columns 1.07-1.46x (65536x1024, 32768x1024), in cache
+    1.06-1.32x; 512 columns 1.01-1.42x, in cache 1.06-1.11x; 256 and 128
+    columns from memory layer_norm 0.98-1.02x, rms_norm 1.11-1.16x, in cache
+    1.07-1.13x."""
     if x.dtype in (types.float32, types.float64):
         floor = BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
     else:
