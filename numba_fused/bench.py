@@ -73,7 +73,10 @@ KERNELS = None
 #: Sample length the auto ``number`` (calls per sample) aims for, seconds.
 MIN_SAMPLE_S = 2e-3
 #: Pause before each timed sample (see ``time_interleaved``), seconds.
-SETTLE_S = 20e-3
+SETTLE_S = 3e-3
+#: Pause after a sample of an implementation whose runtime keeps worker threads
+#: busy after its calls return (``Impl.settle``: JAX), seconds.
+SPIN_SETTLE_S = 20e-3
 #: Warm-up: at least this many calls and this long after the first call.
 WARM_CALLS, WARM_S = 2, 0.02
 
@@ -275,6 +278,7 @@ class Impl:
         self.bytes = bytes
         self.note = note
         self.first_s = None
+        self.settle = 0.0
         self.samples = []
         self.number = 1
         self.err, self.err_output = None, None
@@ -593,7 +597,9 @@ def jax_impl(op, direction, inp, ctx):
 
     def fetch(raw):
         return {k: np.asarray(v) for k, v in raw.items()}
-    return Impl("jax", fn, fetch)
+    impl = Impl("jax", fn, fetch)
+    impl.settle = SPIN_SETTLE_S
+    return impl
 
 
 PEER_BUILDERS = {"numpy": numpy_impl, "torch": torch_impl, "jax": jax_impl,
@@ -674,25 +680,30 @@ def _warm(impl):
 def time_interleaved(impls, repeat):
     """``repeat`` rounds; each round samples every implementation once, starting
     from a different one each round. A pause before each sample lets the
-    previous runtime's worker threads (OpenMP, XLA's pool) stop spinning, so
-    they do not steal the cores from the next implementation.
-
-    Why 20 ms (3 ms until 2026-12-06): XLA's pool went on taking cores for
-    longer. AMD EPYC VM, 2026-12-06, 4096x4096 fwd+bwd, OMP_WAIT_POLICY=PASSIVE:
-    numba_fused's bfloat16 layer_norm took 5.3-5.8 ms with no peers, or with
-    torch or NumPy beside it, but 7.4 ms with JAX beside it; with every peer,
-    7.3-7.6 ms after 3 ms pauses and 5.6-5.7 ms after 20 ms ones (bfloat16
-    rms_norm 8.1-8.3 and 4.3-4.4 ms); a 20 ms pause after JAX's samples only
-    left 6.9-7.2 ms. Not longer: 100 ms pauses slowed every implementation,
-    the copy too (1.4-2x; an idle VM wakes slowly), and each sample's untimed
-    lead-in call (``_sample``) takes the wake-up cost of a shorter pause."""
+    previous runtime's worker threads (OpenMP) stop spinning, so they do not
+    steal the cores from the next implementation: SETTLE_S, and SPIN_SETTLE_S
+    after JAX's samples (``Impl.settle``), whose XLA pool went on taking cores
+    for longer. AMD EPYC VM, 2026-12-06, 4096x4096 fwd+bwd,
+    OMP_WAIT_POLICY=PASSIVE: numba_fused's bfloat16 layer_norm took 5.3-5.8 ms
+    with no peers, or with torch or NumPy beside it, 6.7-7.4 ms with JAX beside
+    it (3 ms pauses). With every peer: 7.3-7.6 ms after 3 ms pauses, 6.9-7.2 ms
+    with 20 ms after JAX's samples, 5.6-5.7 ms with 20 ms before every sample
+    (bfloat16 rms_norm 8.1-8.3, 4.5-4.8 and 4.3-4.4 ms). Not 20 ms everywhere: in
+    a ``--peers none`` targets run it cost numba_fused's kernels ~9% (sum of
+    medians 238 against 218 ms at 3 ms; the copy 147 against 144 ms: an idle
+    VM wakes slowly), and 100 ms pauses slowed every implementation, the copy
+    too (1.4-2x). Each sample's untimed lead-in call (``_sample``) takes part
+    of that wake-up cost. SETTLE_S = 0 turns every pause off (the tests)."""
     k = len(impls)
+    prev = None
     for r in range(repeat):
         for j in range(k):
             impl = impls[(r + j) % k]
-            if SETTLE_S:
-                time.sleep(SETTLE_S)
+            pause = max(SETTLE_S, prev.settle) if SETTLE_S and prev is not None else SETTLE_S
+            if pause:
+                time.sleep(pause)
             impl.samples.append(_sample(impl))
+            prev = impl
 
 
 # -------------------------------------------------------------- machine info

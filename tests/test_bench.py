@@ -405,18 +405,20 @@ def test_sample_leads_with_an_untimed_call():
     assert t < 0.05
 
 
-def test_each_sample_waits_settle_s_first(monkeypatch):
-    """Every sample is preceded by a SETTLE_S pause (the previous runtime's
-    threads stop spinning), rounds rotate the starting implementation, and
-    SETTLE_S = 0 pauses never."""
-    monkeypatch.setattr(B, "SETTLE_S", 0.02)
+def test_pauses_are_longer_after_a_runtime_that_keeps_spinning(monkeypatch):
+    """Each sample waits SETTLE_S first, SPIN_SETTLE_S after a sample of an
+    implementation whose threads go on spinning (``Impl.settle``: JAX's); the
+    rounds rotate the starting implementation; SETTLE_S = 0 pauses never."""
+    monkeypatch.setattr(B, "SETTLE_S", 0.003)
     pauses, order = [], []
     monkeypatch.setattr(B.time, "sleep", pauses.append)
-    impls = [B.Impl(name, lambda name=name: order.append(name)) for name in ("a", "b", "c")]
+    impls = [B.Impl(name, lambda name=name: order.append(name)) for name in ("a", "jax", "b")]
+    impls[1].settle = 0.02
     B.time_interleaved(impls, 2)
-    assert order[1::2] == ["a", "b", "c", "b", "c", "a"]     # lead-in call, then timed
-    assert pauses == [0.02] * 6
+    assert order[1::2] == ["a", "jax", "b", "jax", "b", "a"]   # lead-in call, then timed
+    assert pauses == [0.003, 0.003, 0.02, 0.003, 0.02, 0.003]
     monkeypatch.setattr(B, "SETTLE_S", 0.0)
     pauses.clear()
     B.time_interleaved(impls, 1)
     assert pauses == [] and [len(i.samples) for i in impls] == [3, 3, 3]
+    assert B.SPIN_SETTLE_S > 0.003
