@@ -262,7 +262,13 @@ def fresh(shape, dtype):
     nbytes = (math.prod(shape) if isinstance(shape, tuple) else int(shape)) * dtype.itemsize
     if nbytes < POOL_MIN_BYTES:
         return np.empty(shape, dtype)
-    buf = POOL.take(nbytes + ALIGN)
+    return on_line(POOL.take(nbytes + ALIGN), shape, dtype)
+
+
+def on_line(buf, shape, dtype):
+    """An array of ``shape`` and ``dtype`` at the first ALIGN boundary of the byte
+    buffer ``buf`` (ALIGN bytes larger than the array)."""
+    nbytes = (math.prod(shape) if isinstance(shape, tuple) else int(shape)) * dtype.itemsize
     o = -buf.ctypes.data % ALIGN
     return buf[o:o + nbytes].view(dtype).reshape(shape)
 

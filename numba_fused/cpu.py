@@ -48,7 +48,7 @@ from numba.np.numpy_support import as_dtype
 from llvmlite import ir
 
 from . import _cache  # noqa: F401  (cache stamps: before any cached kernel)
-from ._alloc import ALIAS_SPAN, ALIGN, STREAM_BYTES
+from ._alloc import ALIAS_SPAN, ALIGN, STREAM_BYTES, on_line
 from ._dtypes import acc, acc_numba_type, narrow, widen
 from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store, prefetch,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
@@ -2658,10 +2658,8 @@ def _on_lines(shape, dtype):
     rms_norm bwd 1.25x, layer_norm bwd 1.22x (8192x2048 1.23x), fwd+bwd
     1.12-1.13x; float32 4096x4096 bwd 1.07-1.08x, 65536x1024 layer_norm bwd
     1.08x; 1024x16384 and 256x1024 even (0.97-1.03x)."""
-    n = shape[0] * shape[1] * dtype.itemsize
-    buf = np.empty(n + ALIGN, np.uint8)
-    o = -buf.ctypes.data % ALIGN
-    return buf[o:o + n].view(dtype).reshape(shape)
+    return on_line(np.empty(shape[0] * shape[1] * dtype.itemsize + ALIGN, np.uint8), shape,
+                   dtype)
 
 
 _SCRATCH = _Scratch()
