@@ -154,8 +154,10 @@ SERIAL_CAP = 1 << 20
 #: at most this many dweight/dbias partial rows, and at most _PARTIAL_ELEMS floats
 MAX_CHUNKS = 32
 _PARTIAL_ELEMS = 1 << 19
-#: and at least this many rows per partial row (see param_chunks)
+#: and at least this many rows per partial row: two partials from 2 * CHUNK_ROWS
+#: rows on, more only at MANY_CHUNK_ROWS rows each (see param_chunks)
 CHUNK_ROWS = 4
+MANY_CHUNK_ROWS = 8
 
 
 @intrinsic
@@ -2444,8 +2446,21 @@ def param_chunks(rows, cols):
     elements rather than 2**20 (rows of more than 16,384 columns get fewer
     partials): 16x262144 1.14-1.21x, 32x131072 1.05-1.20x, 64x65536 1.06-1.23x;
     2**18 gained more at 32-64 rows (1.10-1.38x) but left 16x262144 one partial
-    (column-blocked then: 0.83-1.07x)."""
-    return max(1, min(rows // CHUNK_ROWS, MAX_CHUNKS, _PARTIAL_ELEMS // max(cols, 1)))
+    (column-blocked then: 0.83-1.07x).
+
+    More than two partials only at MANY_CHUNK_ROWS (8) rows each: every partial
+    row is read and written once per row of its chunk, as often as the row's own
+    data, so in cache a chunk of 4 rows spent more on its partials than on its
+    rows. ab.py, AMD EPYC, 2 threads, 2026-12-06, 8 rows a partial against 4,
+    dweight/dbias bwd: in cache (32-128x4096, 64x1024, 128x2048, 16x8192)
+    float32 1.04-1.15x (layer_norm 64x1024 0.99x), bfloat16 1.05-1.19x; from
+    memory (16-64x65536, 128x16384, 200x4096) float32 1.00-1.09x, bfloat16
+    1.02-1.18x. But two partials (a thread each here) from 8 rows as before:
+    8-15 rows at 8 a partial would have one, and ran 0.76-0.95x. The price is on
+    machines of more threads than two: fewer partials, hence busy threads, for
+    16-255 rows."""
+    by_rows = max(min(2, rows // CHUNK_ROWS), rows // MANY_CHUNK_ROWS)
+    return max(1, min(by_rows, MAX_CHUNKS, _PARTIAL_ELEMS // max(cols, 1)))
 
 
 _param_chunks = njit(cache=True)(param_chunks)

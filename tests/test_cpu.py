@@ -1217,6 +1217,20 @@ def _param_grads_in_kernel_order(op, dy, x, rstd, mean, pdtype):
     return grads
 
 
+def test_param_chunks_by_rows():
+    """The dweight/dbias partial count by rows: one below 2 * cpu.CHUNK_ROWS rows,
+    two from there, more only at cpu.MANY_CHUNK_ROWS rows each, at most
+    cpu.MAX_CHUNKS, and fewer for long rows (cpu._PARTIAL_ELEMS elements in all)."""
+    assert (cpu.CHUNK_ROWS, cpu.MANY_CHUNK_ROWS) == (4, 8)
+    got = {rows: cpu.param_chunks(rows, 4096)
+           for rows in (1, 7, 8, 15, 16, 23, 24, 60, 255, 256, 4096)}
+    assert got == {1: 1, 7: 1, 8: 2, 15: 2, 16: 2, 23: 2, 24: 3, 60: 7, 255: 31, 256: 32,
+                   4096: 32}
+    assert cpu.param_chunks(4096, 65536) == cpu._PARTIAL_ELEMS // 65536 == 8
+    assert cpu.param_chunks(16, 262144) == 2 and cpu.param_chunks(16, 1 << 20) == 1
+    assert cpu._param_chunks(60, 4111) == cpu.param_chunks(60, 4111)     # the jitted copy
+
+
 @pytest.mark.parametrize("cols", [40, 1024, 4096, 3 * 4096 + 5])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
@@ -1230,7 +1244,7 @@ def test_param_grads_bits_follow_the_documented_order(rng, restore_threads, op, 
     bit for bit."""
     assert 40 < cpu.HALF_BWD_PIPELINE_COLS <= 1024                         # both paths
     assert 1024 * 4 < cpu.BWD_PIPELINE_BYTES <= 1024 * 8
-    rows = {1024: 133, 4096: 165}.get(cols, 101)   # 3-6 rows per chunk
+    rows = {1024: 133, 4096: 165, 3 * 4096 + 5: 181}.get(cols, 101)   # 8-9 rows per chunk
     assert rows // cpu.param_chunks(rows, cols) >= 3
     if cols > cpu.SUM_BLOCK:
         assert cpu.param_chunks(rows, cols) * cols >= cpu.PARALLEL_SUM_ELEMS
@@ -1341,10 +1355,10 @@ def test_pipelined_bwd_rows_are_batch_invariant(rng, op, dtype):
                                         ("layer_norm_bwd", False)])
 def test_bwd_pipeline_across_chunks_bits_do_not_depend_on_threads(rng, op, params, dtype):
     """The pipelined norm backward runs one pipeline through all the dweight/dbias
-    chunks of a thread (7 chunks of 4-5 rows here; without parameters a chunk per
+    chunks of a thread (7 chunks of 8-9 rows here; without parameters a chunk per
     row): dx, dweight and dbias have the same bits whatever the grouping (1, 2, 3
     or 7 groups), and match the reference."""
-    rows, cols = 30, 4111
+    rows, cols = 60, 4111
     assert cpu.param_chunks(rows, cols) == 7
     x, dy = draw(rng, (rows, cols), dtype), draw(rng, (rows, cols), dtype)
     w = draw_param(rng, cols, "x", dtype) if params else None
