@@ -2652,10 +2652,10 @@ class _Scratch:
                 return a
         return _on_lines(shape, dtype)
 
-    def give(self, a):
-        # ours: views of a byte buffer (_on_lines); a partial row that is the
-        # caller's dweight/dbias (see _partials) never is
-        if a is None or a.nbytes < self._small or a.base is None or a.base.dtype != np.uint8:
+    def give(self, a, out):
+        """Back to the pool: partials ``_partials`` gave for ``out``, unless they are
+        out's own view (one chunk in out's dtype) or small (plain ``np.empty``)."""
+        if a is None or a.nbytes < self._small or _partials_are_out(out, a.shape[0], a.dtype):
             return
         with self._lock:
             if self._bytes + a.nbytes <= self._limit:
@@ -2680,12 +2680,18 @@ def _on_lines(shape, dtype):
 _SCRATCH = _Scratch()
 
 
+def _partials_are_out(out, chunks, dtype):
+    """Whether ``out``'s partial rows are out itself: one chunk in out's dtype."""
+    return chunks == 1 and out.dtype == dtype
+
+
 def _partials(out, chunks, dtype):
     """Partial rows for ``out`` (dweight/dbias): one chunk in the accumulator
-    type is ``out`` itself (summing one partial is a copy)."""
+    type is ``out`` itself (summing one partial is a copy); the others come from
+    ``_SCRATCH`` and go back with ``_SCRATCH.give(parts, out)``."""
     if out is None:
         return None
-    if chunks == 1 and out.dtype == dtype:
+    if _partials_are_out(out, chunks, dtype):
         return out[None]
     return _SCRATCH.take((chunks, out.shape[0]), dtype)
 
@@ -2773,8 +2779,7 @@ def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
     parts = _partials(dweight, chunks, rstd.dtype)     # rstd is in the accumulator type
     _run("rms_norm_bwd", "rms_norm_bwd+params", x, dy, x, weight, rstd,
          None if dx is dy else dx, parts, chunks, dweight, _thread_count())
-    if parts.base is not dweight:
-        _SCRATCH.give(parts)
+    _SCRATCH.give(parts, dweight)
 
 
 def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
@@ -2789,10 +2794,8 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
     bparts = _partials(dbias, chunks, acc_dtype)
     _run("layer_norm_bwd", "layer_norm_bwd+params", x, dy, x, weight, mean, rstd,
          None if dx is dy else dx, wparts, bparts, chunks, dweight, dbias, _thread_count())
-    if wparts is not None and wparts.base is not dweight:
-        _SCRATCH.give(wparts)
-    if bparts is not None and bparts.base is not dbias:
-        _SCRATCH.give(bparts)
+    _SCRATCH.give(wparts, dweight)
+    _SCRATCH.give(bparts, dbias)
 
 
 def warmup(dtypes=None, verbose=False):

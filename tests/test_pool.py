@@ -229,22 +229,51 @@ def test_large_copies_of_strided_inputs_come_from_the_pool_and_go_back(rng, pool
 def test_partial_rows_start_on_a_cache_line_and_are_reused():
     """The dweight/dbias partials (cpu._Scratch): pooled buffers start on a cache
     line, go back once and come out again; small ones and views of a caller's
-    dweight never enter the pool."""
+    dweight never enter the pool, whatever memory the dweight lies in (one that
+    _alloc carved from a byte buffer included)."""
     from numba_fused import cpu
     scratch = cpu._Scratch(limit=8 * MIB, small=1 << 16)
     a = scratch.take((32, 1024), np.float32)
     assert a.shape == (32, 1024) and a.dtype == np.float32 and a.flags.c_contiguous
     assert a.ctypes.data % 64 == 0
-    scratch.give(a)
+    scratch.give(a, np.empty(1024, np.float32))
     assert scratch.take((32, 1024), np.float32) is a
     assert scratch.take((32, 1024), np.float32) is not a      # taken: a fresh one
     assert scratch._bytes == 0
     small = scratch.take((4, 256), np.float32)
-    scratch.give(small)
+    scratch.give(small, np.empty(256, np.float32))
     assert scratch._bytes == 0 and scratch.take((4, 256), np.float32) is not small
     dweight = np.empty(1 << 16, np.float32)        # 256 KiB: a caller's, as a partial row
-    scratch.give(dweight[None])
+    scratch.give(dweight[None], dweight)
     assert scratch._bytes == 0 and scratch.take((1, 1 << 16), np.float32).base is not dweight
+    carved = _alloc.on_line(np.empty((1 << 18) + 64, np.uint8), (1 << 16,), np.dtype(np.float32))
+    scratch.give(carved[None], carved)
+    assert scratch._bytes == 0
+    one = scratch.take((1, 1 << 16), np.float32)   # one chunk, not out's dtype: pooled
+    scratch.give(one, np.empty(1 << 16, np.uint16))
+    assert scratch._bytes == one.nbytes
+
+
+def test_returned_dweight_is_never_a_later_calls_partials(monkeypatch):
+    """A dweight of 32 MiB that the general path allocates from the output pool
+    (a view of a pooled byte buffer) serves as its own single partial row; it must
+    not go to the partials' pool, where a later backward (bfloat16 weight, float32
+    partials of that shape) would take it and overwrite the returned gradient."""
+    from numba_fused import cpu
+    monkeypatch.setattr(cpu, "_SCRATCH", cpu._Scratch())   # its 32 MiB stay out of the shared one
+    n = 1 << 23
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 1, n), np.float32)
+    dy = rng.standard_normal((1, 1, n), np.float32)
+    rstd = np.ones(1, np.float32)
+    assert cpu.param_chunks(1, n) == 1 and 4 * n >= _alloc.POOL_MIN_BYTES
+    dweight = _alloc.fresh((n,), np.float32)       # as ctx.empty allocates it
+    cpu.rms_norm_bwd(dy, x, np.ones(n, np.float32), rstd, np.empty_like(x), dweight)
+    kept = dweight.copy()
+    bits = lambda a: a.astype(BF16).view(np.uint16)                      # noqa: E731
+    cpu.rms_norm_bwd(bits(dy), bits(x), bits(np.ones(n, np.float32)), rstd,
+                     np.empty((1, 1, n), np.uint16), np.empty(n, np.uint16))
+    assert_bits_equal(dweight, kept, "dweight after a later call")
 
 
 @pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
