@@ -153,8 +153,8 @@ def _check_param(ctx, obj, name, x):
     tag = ctx.param_tag(obj, x.dtype) if hasattr(ctx, "param_tag") else None
     a = ctx.wrap(obj, name, tag)
     if a.dtype not in (x.dtype, D.float32):
-        raise TypeError(f"{name} has dtype {a.dtype}; expected x's dtype {x.dtype} "
-                        "or float32")
+        also = "" if x.dtype == D.float32 else " or float32"
+        raise TypeError(f"{name} has dtype {a.dtype}; expected x's dtype {x.dtype}{also}")
     if a.shape != x.shape[-1:]:
         raise ValueError(f"{name} has shape {a.shape}; expected ({x.shape[-1]},), "
                          "the length of x's last axis")

@@ -277,3 +277,14 @@ def test_good_edge_arguments():
     buf = np.ones((R + 1, C), F32)
     nf.rms_norm_fwd(X, buf[0], out=buf[1:])      # weight and out in one buffer, disjoint
     nf.softmax_fwd(X[0], out=np.empty(C, F32))
+
+
+@pytest.mark.parametrize("x, want", [(X, "expected x's dtype float32"),
+                                     (XH, "expected x's dtype float16 or float32")])
+def test_param_dtype_message_names_the_allowed_dtypes(x, want):
+    """Each allowed dtype once: float32 x accepts float32 only (not 'float32 or
+    float32'); half and float64 x also accept float32."""
+    with pytest.raises(TypeError) as e:
+        nf.rms_norm_fwd(x, W.astype(BF16 if x.dtype != BF16 else F16))
+    msg = str(e.value)
+    assert msg.startswith("weight has dtype") and msg.endswith(want)
