@@ -178,6 +178,13 @@ def _custom_op(name, impl):
     return op
 
 
+#: tensor types the eager path takes as they are. nn.Parameter is a Tensor subclass
+#: without dispatch or torch_function overrides; a module's weight always is one,
+#: and judged a subclass it sent every module call through the custom ops (RMSNorm
+#: 512x256 float32 forward: 51 us against 33 us through the Function, 2026-12-06).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain(args):
     """True where the arguments may bypass the dispatcher: eager mode, no tracing,
     no dispatch mode or functorch transform, plain CPU/CUDA tensors."""
@@ -186,7 +193,7 @@ def _plain(args):
             or torch._C._are_functorch_transforms_active():
         return False
     for a in args:
-        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS
                                             or not (a.is_cpu or a.is_cuda)):
             return False
     return True

@@ -316,6 +316,25 @@ def test_eager_calls_take_the_fast_path_and_ops_otherwise(path):
     assert m.device.type == "meta" and m.shape == (5, 8)
 
 
+def test_modules_take_the_fast_path_both_ways(path, monkeypatch):
+    """A module's weight/bias are nn.Parameters (a Tensor subclass): the eager path
+    still takes them, forward (the Function's node) and backward (the backward
+    implementation called directly, not through its op)."""
+    calls = []
+    for op in (nft._rms_norm_bwd, nft._layer_norm_bwd):
+        impl = nft._IMPLS[op]
+        monkeypatch.setitem(nft._IMPLS, op, lambda *a, impl=impl: calls.append(1) or impl(*a))
+    x = _randn(3, 8, requires_grad=True)
+    for m, name in ((nft.RMSNorm(8), "_RMSNormFnBackward"),
+                    (nft.LayerNorm(8), "_LayerNormFnBackward")):
+        y = m(x)
+        fast = type(y.grad_fn).__name__ == name
+        y.square().sum().backward()
+        assert m.weight.grad is not None
+        assert fast == (path == "fast")
+    assert len(calls) == (2 if path == "fast" else 0)
+
+
 def test_activation_checkpointing_and_retain_graph():
     from torch.utils.checkpoint import checkpoint
     ln, rms = nft.LayerNorm(16), nft.RMSNorm(16)
