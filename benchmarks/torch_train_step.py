@@ -18,11 +18,14 @@ frozen weight cannot skip; see numba_fused/torch.py).
     python benchmarks/torch_train_step.py --quick    # small shapes, few rounds
     OMP_WAIT_POLICY=PASSIVE python benchmarks/torch_train_step.py
 
-torch (its bundled libgomp) and numba's omp layer (the system libgomp) run two
-OpenMP thread pools; with the default spin-waiting, each pool's idle threads spin
-while the other works. On an idle machine that costs little; on a loaded 2-core
-machine it made medians 10-100x the best rounds. OMP_WAIT_POLICY=PASSIVE (read by
-both runtimes at start-up) removed that; --threads 1 avoids it too.
+torch (its bundled libgomp) and numba's omp layer (the system libgomp) share one
+OpenMP runtime in practice (numba first: torch's libgomp.so.1 dependency is met by
+the loaded copy; torch first: numba's pool binds to torch's copy, which torch loads
+into the global symbol scope; LD_DEBUG=bindings, 2026-12-06). On 2026-12-02,
+with other jobs keeping a 2-core machine's load at 4-6, spin-waiting made medians
+10-100x the best rounds and OMP_WAIT_POLICY=PASSIVE (read at start-up) removed
+that; on an otherwise idle machine (2026-12-06) PASSIVE doubled both torch's and
+numba_fused's times at the default shapes. --threads 1 avoids the question.
 """
 import argparse
 import datetime

@@ -2380,7 +2380,7 @@ def launch_cost(probes=9):
 def _calibrate():
     """Raise the serial thresholds to where a parallel launch pays on this setup:
     2 * launch cost * the kernel's serial rate, between its floor and SERIAL_CAP.
-    Why: with OMP_WAIT_POLICY=PASSIVE (advised beside torch) a launch measured
+    Why: with OMP_WAIT_POLICY=PASSIVE (for busy shared cores; README) a launch measured
     ~60 us back to back on the project's VM, 2.2 us without, and serial kernels
     won up to 256K-512K elements (softmax bwd 93 vs 112 us at 524288). Runs once,
     at the first call above a floor; results do not depend on it (serial and
