@@ -181,7 +181,7 @@ def _custom_op(name, impl):
 #: tensor types the eager path takes as they are. nn.Parameter is a Tensor subclass
 #: without dispatch or torch_function overrides; a module's weight always is one,
 #: and judged a subclass it sent every module call through the custom ops (RMSNorm
-#: 512x256 float32 forward: 51 us against 33 us through the Function, 2026-12-06).
+#: 512x256 float32 module forward: 51-55 us against 35 us on the eager path, 2026-12-06).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 

@@ -285,6 +285,6 @@ def test_param_dtype_message_names_the_allowed_dtypes(x, want):
     """Each allowed dtype once: float32 x accepts float32 only (not 'float32 or
     float32'); half and float64 x also accept float32."""
     with pytest.raises(TypeError) as e:
-        nf.rms_norm_fwd(x, W.astype(BF16 if x.dtype != BF16 else F16))
+        nf.rms_norm_fwd(x, W.astype(BF16))          # bfloat16: neither x's dtype nor float32
     msg = str(e.value)
     assert msg.startswith("weight has dtype") and msg.endswith(want)
