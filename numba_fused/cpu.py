@@ -48,7 +48,7 @@ from numba.np.numpy_support import as_dtype
 from llvmlite import ir
 
 from . import _cache  # noqa: F401  (cache stamps: before any cached kernel)
-from ._alloc import ALIAS_SPAN, ALIGN, STREAM_BYTES
+from ._alloc import ALIAS_SPAN, ALIGN, STREAM_BYTES, on_line
 from ._dtypes import acc, acc_numba_type, narrow, widen
 from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store, prefetch,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
@@ -1828,7 +1828,7 @@ def _rows_pipelined_impl(x):
     1.01-1.19x. 1024 columns (65536x1024): 0.96-1.10x, so not there.
 
     Lowered on 2026-12-06 (evening), once the dweight/dbias partial rows started
-    on cache lines (``_carve``): the pipelined stage adds a row's terms into its
+    on cache lines (``_on_lines``): the pipelined stage adds a row's terms into its
     partial row while it loads the next row, and the split partial stores had
     cost it most. Pipelined against the row path, ab.py --evict 64, 11 rounds:
     float32 2048 columns (8192x2048, 16384x2048, 32768x2048) 1.10-1.33x, fwd+bwd
@@ -2619,24 +2619,6 @@ SMALL = dict(softmax_fwd=small_softmax_fwd, softmax_bwd=small_softmax_bwd,
              layer_norm_fwd=small_layer_norm_fwd, layer_norm_bwd=small_layer_norm_bwd)
 
 
-#: the dweight partial rows start PARTIAL_SHIFT bytes past x's data, modulo a
-#: 4 KiB page, and the dbias ones PARTIAL_SHIFT + PARTIAL_SPREAD (rounded up to a
-#: cache line). Why: the L1's set is the address modulo 4 KiB. Rows of a multiple
-#: of 4 KiB share one offset, and a pipelined backward stage walks its rows of dy
-#: and x (four of each in the two-row stage), its partial rows and weight in step,
-#: column by column; with the partials where NumPy and the output pool put them
-#: (16 and 64 bytes into a page, as x and dy) all of them fell in one or two sets.
-#: Driver alone, from memory, AMD EPYC, 2 threads, 2026-12-06, partials at 0x840/
-#: 0xc40 against 0x40/0x40 (x at 0x10): float32 layer_norm bwd 4096x4096 7.47 ->
-#: 6.72 ms, 2048x8192 7.74 -> 6.85, 65536x1024 24.4 -> 23.4; rms_norm 4096x4096
-#: 5.51 -> 5.29; bfloat16 1.00-1.02x; in cache float32 layer_norm 1024x1024
-#: 1.08x, other shapes 0.99-1.02x. Rows of other lengths drift through the page
-#: and meet the partials' sets only now and then, as before.
-PARTIAL_SHIFT = 2048
-PARTIAL_SPREAD = 1024
-PAGE = 4096
-
-
 class _Scratch:
     """Reused dweight/dbias partial-row buffers, at most ``limit`` bytes kept.
 
@@ -2649,62 +2631,50 @@ class _Scratch:
     lock (it cost ~1 us of a 5 us small call). glibc serves 128 KiB and more from
     fresh mmaps (its default M_MMAP_THRESHOLD), so ``small`` stays below that: at
     256 KiB, the (32, 1024) float32 partials of a 128x1024 layer_norm bwd faulted
-    in on every call (backend 144 vs 64 us, measured 2026-12-03). The pool keeps
-    byte buffers a page larger than the partials, and each take carves the
-    partials out where asked (``_carve``): on a cache line, at a given offset in
-    the page (PARTIAL_SHIFT).
+    in on every call (backend 144 vs 64 us, measured 2026-12-03). The pooled
+    buffers start on a cache line (``_on_lines``).
     """
 
     def __init__(self, limit=32 << 20, small=64 << 10):
         self._free, self._bytes, self._limit, self._small = {}, 0, limit, small
         self._lock = threading.Lock()
 
-    def take(self, shape, dtype, x=None, shift=0):
-        """Partials of ``shape`` and ``dtype``; pooled ones start ``shift`` bytes after
-        the array x's data modulo a page (after a page boundary without x), rounded
-        up to a cache line."""
+    def take(self, shape, dtype):
         dtype = np.dtype(dtype)
         if shape[0] * shape[1] * dtype.itemsize < self._small:
             return np.empty(shape, dtype)
-        at = shift if x is None else x.ctypes.data + shift
         key = (shape, dtype)
-        buf = None
         with self._lock:
             free = self._free.get(key)
             if free:
-                buf = free.pop()
-                self._bytes -= buf.nbytes
-        if buf is None:
-            buf = np.empty(shape[0] * shape[1] * dtype.itemsize + PAGE, np.uint8)
-        return _carve(buf, shape, dtype, at)
+                a = free.pop()
+                self._bytes -= a.nbytes
+                return a
+        return _on_lines(shape, dtype)
 
     def give(self, a, out):
-        """Back to the pool: partials ``_partials`` gave for ``out`` (their byte
-        buffer), unless they are out's own view (one chunk in out's dtype) or small
-        (plain ``np.empty``)."""
+        """Back to the pool: partials ``_partials`` gave for ``out``, unless they are
+        out's own view (one chunk in out's dtype) or small (plain ``np.empty``)."""
         if a is None or a.nbytes < self._small or _partials_are_out(out, a.shape[0], a.dtype):
             return
-        buf = a.base                   # the byte buffer take() carved them from
         with self._lock:
-            if self._bytes + buf.nbytes <= self._limit:
-                self._free.setdefault((a.shape, a.dtype), []).append(buf)
-                self._bytes += buf.nbytes
+            if self._bytes + a.nbytes <= self._limit:
+                self._free.setdefault((a.shape, a.dtype), []).append(a)
+                self._bytes += a.nbytes
 
 
-def _carve(buf, shape, dtype, at):
-    """An empty (rows, cols) array in the byte buffer ``buf`` (a page larger than
-    it) whose first element lies ``at`` bytes past a page boundary, rounded up to
-    a cache line. On a line, so the partial rows' vectors do not straddle lines:
-    NumPy starts large arrays 16 bytes into a page, and every 64-byte part of the
-    half backwards' partials (float32 zmm) and every other 32-byte part of
-    float32's (ymm) then spanned two lines, read and written once a row. ab.py
-    --evict 64 against np.empty, AMD EPYC, 2026-12-06: bfloat16 4096x4096
+def _on_lines(shape, dtype):
+    """An empty (rows, cols) array that starts on a cache line (a view of a byte
+    buffer), so the partial rows' vectors do not straddle lines. NumPy starts
+    large arrays 16 bytes into a page: every 64-byte part of the half backwards'
+    partials (float32 zmm) and every other 32-byte part of float32's (ymm) then
+    spanned two lines, and the partials are read and written once a row.
+    ab.py --evict 64 against np.empty, AMD EPYC, 2026-12-06: bfloat16 4096x4096
     rms_norm bwd 1.25x, layer_norm bwd 1.22x (8192x2048 1.23x), fwd+bwd
     1.12-1.13x; float32 4096x4096 bwd 1.07-1.08x, 65536x1024 layer_norm bwd
     1.08x; 1024x16384 and 256x1024 even (0.97-1.03x)."""
-    at = -(-at // ALIGN) * ALIGN % PAGE
-    o = (at - buf.ctypes.data) % PAGE
-    return buf[o:o + shape[0] * shape[1] * dtype.itemsize].view(dtype).reshape(shape)
+    return on_line(np.empty(shape[0] * shape[1] * dtype.itemsize + ALIGN, np.uint8), shape,
+                   dtype)
 
 
 _SCRATCH = _Scratch()
@@ -2715,17 +2685,15 @@ def _partials_are_out(out, chunks, dtype):
     return chunks == 1 and out.dtype == dtype
 
 
-def _partials(out, chunks, dtype, x, slot):
+def _partials(out, chunks, dtype):
     """Partial rows for ``out`` (dweight/dbias): one chunk in the accumulator
     type is ``out`` itself (summing one partial is a copy); the others come from
-    ``_SCRATCH`` and go back with ``_SCRATCH.give(parts, out)``, placed in the page
-    against x's data (PARTIAL_SHIFT; ``slot`` 1, dbias's, PARTIAL_SPREAD further)."""
+    ``_SCRATCH`` and go back with ``_SCRATCH.give(parts, out)``."""
     if out is None:
         return None
     if _partials_are_out(out, chunks, dtype):
         return out[None]
-    return _SCRATCH.take((chunks, out.shape[0]), dtype, x,
-                         PARTIAL_SHIFT + slot * PARTIAL_SPREAD)
+    return _SCRATCH.take((chunks, out.shape[0]), dtype)
 
 
 # ----------------------------------------------------------- backend entry
@@ -2808,7 +2776,7 @@ def rms_norm_bwd(dy, x, weight, rstd, dx, dweight):
              None if dx is dy else dx, None, rows, None, rows)
         return
     chunks = param_chunks(rows, x.shape[2])
-    parts = _partials(dweight, chunks, rstd.dtype, x, 0)   # rstd: the accumulator type
+    parts = _partials(dweight, chunks, rstd.dtype)     # rstd is in the accumulator type
     _run("rms_norm_bwd", "rms_norm_bwd+params", x, dy, x, weight, rstd,
          None if dx is dy else dx, parts, chunks, dweight, _thread_count())
     _SCRATCH.give(parts, dweight)
@@ -2822,8 +2790,8 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
         return
     chunks = param_chunks(rows, x.shape[2])
     acc_dtype = rstd.dtype                            # rstd is in the accumulator type
-    wparts = _partials(dweight, chunks, acc_dtype, x, 0)
-    bparts = _partials(dbias, chunks, acc_dtype, x, 1)
+    wparts = _partials(dweight, chunks, acc_dtype)
+    bparts = _partials(dbias, chunks, acc_dtype)
     _run("layer_norm_bwd", "layer_norm_bwd+params", x, dy, x, weight, mean, rstd,
          None if dx is dy else dx, wparts, bparts, chunks, dweight, dbias, _thread_count())
     _SCRATCH.give(wparts, dweight)

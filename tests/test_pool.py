@@ -237,10 +237,8 @@ def test_partial_rows_start_on_a_cache_line_and_are_reused():
     assert a.shape == (32, 1024) and a.dtype == np.float32 and a.flags.c_contiguous
     assert a.ctypes.data % 64 == 0
     scratch.give(a, np.empty(1024, np.float32))
-    assert scratch._bytes == a.base.nbytes == a.nbytes + cpu.PAGE
-    again = scratch.take((32, 1024), np.float32)
-    assert again.base is a.base and again.ctypes.data == a.ctypes.data
-    assert scratch.take((32, 1024), np.float32).base is not a.base   # taken: a fresh one
+    assert scratch.take((32, 1024), np.float32) is a
+    assert scratch.take((32, 1024), np.float32) is not a      # taken: a fresh one
     assert scratch._bytes == 0
     small = scratch.take((4, 256), np.float32)
     scratch.give(small, np.empty(256, np.float32))
@@ -253,45 +251,7 @@ def test_partial_rows_start_on_a_cache_line_and_are_reused():
     assert scratch._bytes == 0
     one = scratch.take((1, 1 << 16), np.float32)   # one chunk, not out's dtype: pooled
     scratch.give(one, np.empty(1 << 16, np.uint16))
-    assert scratch._bytes == one.base.nbytes
-
-
-@pytest.mark.parametrize("offset", [0, 16, 64, 2000, 2048, 4032, 4080])
-def test_partial_rows_are_placed_in_the_page_against_x(offset):
-    """Pooled partials start PARTIAL_SHIFT bytes after x's data modulo a page,
-    rounded up to a cache line, the dbias ones PARTIAL_SPREAD further (out of the
-    L1 sets that x's rows walk through); the same byte buffer serves any x."""
-    from numba_fused import cpu
-    scratch = cpu._Scratch(limit=8 * MIB, small=1 << 16)
-    buf = np.empty(cpu.PAGE + offset + 64, np.uint8)
-    x = buf[(-buf.ctypes.data) % cpu.PAGE + offset:][:16]
-    assert x.ctypes.data % cpu.PAGE == offset
-    for slot in (0, 1):
-        want = -(-(offset + cpu.PARTIAL_SHIFT + slot * cpu.PARTIAL_SPREAD) // 64) * 64 % cpu.PAGE
-        a = scratch.take((32, 1024), np.float32, x, cpu.PARTIAL_SHIFT + slot * cpu.PARTIAL_SPREAD)
-        assert a.ctypes.data % cpu.PAGE == want and a.flags.c_contiguous
-        assert a.ctypes.data + a.nbytes <= a.base.ctypes.data + a.base.nbytes
-        scratch.give(a, np.empty(1024, np.float32))
-        b = scratch.take((32, 1024), np.float32)           # the same buffer, at a page boundary
-        assert b.base is a.base and b.ctypes.data % cpu.PAGE == 0
-        scratch.give(b, np.empty(1024, np.float32))
-
-
-@pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
-def test_backward_bits_do_not_depend_on_where_x_lies(rng, op):
-    """x at other offsets in a page moves the partials (test above), never the
-    results: 256x1024 (32 pooled partial rows) from x at 16, 1040 and 3088 bytes
-    into a page give the same dx, dweight and dbias bits."""
-    d = _inputs(rng, op, (256, 1024), F32)
-    results = []
-    for offset in (16, 1040, 3088):
-        buf = np.empty(d["x"].nbytes + 2 * 4096, np.uint8)
-        x = buf[(-buf.ctypes.data) % 4096 + offset:][:d["x"].nbytes].view(F32).reshape(256, 1024)
-        x[...] = d["x"]
-        results.append(call_op(op, {**d, "x": x}))
-    for got in results[1:]:
-        for g, e, name in zip(got, results[0], ["dx", "dweight", "dbias"]):
-            assert_bits_equal(g, e, f"{op} {name}")
+    assert scratch._bytes == one.nbytes
 
 
 def test_returned_dweight_is_never_a_later_calls_partials(monkeypatch):
@@ -326,9 +286,9 @@ def test_backwards_overwrite_pooled_partials(rng, op, dtype):
     d = _inputs(rng, op, (256, 1024), dtype)
     first = call_op(op, d)
     idle = [a for buffers in cpu._SCRATCH._free.values() for a in buffers]
-    assert any(a.nbytes == 32 * 1024 * 4 + cpu.PAGE for a in idle)   # byte buffers
+    assert any(a.shape == (32, 1024) and a.ctypes.data % 64 == 0 for a in idle)
     for a in idle:
-        a.fill(0xFF)                              # every float32 in them a NaN
+        a.fill(np.nan)
     again = call_op(op, d)
     for g, e, name in zip(again, first, ["dx", "dweight", "dbias"]):
         assert_bits_equal(g, e, f"{op} {name}")
