@@ -180,6 +180,68 @@ def _no_alias_args(typingctx, names):
     return types.void(names), codegen
 
 
+#: where each thread's row work keeps its stack: this byte offset within a 4 KiB
+#: page (``_frame_on_page``), chosen from ``benchmarks/frame_scan.py``
+FRAME_OFFSET = 0x210
+
+
+def _frame_target(builder):
+    """The page offset ``_frame_on_page`` moves to, as an LLVM value (a constant;
+    ``benchmarks/frame_scan.py`` swaps in a load to scan offsets in one process)."""
+    return ir.Constant(ir.IntType(64), FRAME_OFFSET)
+
+
+@intrinsic
+def _frame_on_page(typingctx):
+    """Moves the stack pointer down to FRAME_OFFSET within its 4 KiB page (a dynamic
+    alloca of 64 bytes to a page) and returns the old one, for ``_frame_back`` at
+    the end of the same loop body. Every prange body (and its serial twin) starts
+    with it, so the functions it calls, the stages with the hot loops, keep their
+    frames at one place in a page on every thread and for every caller.
+
+    Why: LLVM keeps some of a stage's vector accumulators in 16-byte aligned stack
+    slots, loaded and stored on every iteration (``_layer_norm_fwd_stage2_at``,
+    float32: 15 ymm slots). A slot that straddles a page boundary costs a split
+    load and store each time. Where the frames fall depended on the caller: the
+    main thread's stack position moves with the Python call depth (and ASLR),
+    the workers' is fixed per process. AMD EPYC (Zen 4) VM, 2026-12-06, float32
+    4096x4096, the caller's stack moved in 16-byte steps over a page: layer_norm
+    fwd 16 ms instead of 4 at 14 of 256 positions, layer_norm bwd 17 instead of 6.7
+    at 17, rms_norm bwd 16.5 instead of 6.3 at 7; float64 alike; float16/bfloat16
+    1.3x at a few. That was the "per-process slow state" of earlier benchmark
+    runs (RESULTS.md). With the frames moved here, each kernel is slow at a band of
+    offsets instead: 0x3c0-0x6b0 (layer_norm fwd), 0xbc0-0xd00 (rms_norm bwd),
+    0xce0-0xf80 (layer_norm bwd), a few others; 0x210 lies clear of all of them,
+    and as an odd multiple of 16 it also gives the float32/float64 layer_norm
+    forward 1.08x (fewer of its slots split across cache lines). Other compilers
+    or CPUs lay frames out differently: rescan with ``benchmarks/frame_scan.py``."""
+    def codegen(context, builder, sig, args):
+        i64, i8p = ir.IntType(64), ir.IntType(8).as_pointer()
+        save = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i8p, []),
+                                              "llvm.stacksave")
+        saved = builder.call(save, [])
+        pad = builder.and_(builder.sub(builder.ptrtoint(saved, i64), _frame_target(builder)),
+                           ir.Constant(i64, 4095))
+        buf = builder.alloca(ir.IntType(8), size=builder.add(pad, ir.Constant(i64, 64)))
+        # an empty asm statement that takes the buffer, or LLVM drops the alloca
+        builder.asm(ir.FunctionType(ir.VoidType(), [i8p]), "", "r,~{memory}", [buf],
+                    side_effect=True)
+        return saved
+    return types.voidptr(), codegen
+
+
+@intrinsic
+def _frame_back(typingctx, saved):
+    """Restores the stack pointer that ``_frame_on_page`` returned."""
+    def codegen(context, builder, sig, args):
+        restore = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()]),
+            "llvm.stackrestore")
+        builder.call(restore, [args[0]])
+        return context.get_dummy_value()
+    return types.void(types.voidptr), codegen
+
+
 # ------------------------------------------- optional parameters (typed helpers)
 def _with_param(combine, doc):
     """A jitted-code helper f(v, param, c) = combine(v, widen(param[c])), or v when
@@ -2105,43 +2167,53 @@ def _build(loop):
         if _pipelined(rows, cols):
             chunks = _pipeline_chunks(rows, threads) if parallel else 1
             for k in loop(chunks):
+                frame = _frame_on_page()
                 _wide_vectors()      # in the loop: prange outlines its body
                 _softmax_fwd_rows(x, y, k * rows // chunks, (k + 1) * rows // chunks,
                                   _acc_empty(x, cols), _acc_empty(x, cols),
                                   np.empty(cols, y.dtype))
+                _frame_back(frame)
         else:
             chunks = min(rows, 16 * MAX_CHUNKS)
             for k in loop(chunks):
+                frame = _frame_on_page()
                 _wide_vectors()
                 scratch = _acc_empty(x, cols)
                 for r in range(k * rows // chunks, (k + 1) * rows // chunks):
                     _softmax_fwd_row(_row_at(x, r), _row_at(y, r), scratch)
+                _frame_back(frame)
 
     @njit(**opts)
     def softmax_bwd(y, dy, dx, threads):
         rows = y.shape[0] * y.shape[1]
         chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
+            frame = _frame_on_page()
             _wide_for_halves(y)
             _softmax_bwd_rows(y, dy, dx, k * rows // chunks, (k + 1) * rows // chunks)
+            _frame_back(frame)
 
     @njit(**opts)
     def rms_norm_fwd(x, weight, eps, y, rstd, threads):
         rows = x.shape[0] * x.shape[1]
         chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
+            frame = _frame_on_page()
             _wide_for_halves(x)
             _rms_norm_fwd_rows(x, weight, eps, y, rstd, k * rows // chunks,
                                (k + 1) * rows // chunks)
+            _frame_back(frame)
 
     @njit(**opts)
     def layer_norm_fwd(x, weight, bias, eps, y, mean, rstd, threads):
         rows = x.shape[0] * x.shape[1]
         chunks = _thread_chunks(rows, threads, parallel)
         for k in loop(chunks):
+            frame = _frame_on_page()
             _wide_for_halves(x)
             _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, k * rows // chunks,
                                  (k + 1) * rows // chunks)
+            _frame_back(frame)
 
     # dweight/dbias partials are summed in the driver, after the row loop: one
     # dispatch per call (a second numba call cost ~0.4 us, measured).
@@ -2150,6 +2222,7 @@ def _build(loop):
         rows = x.shape[0] * x.shape[1]
         groups = _thread_chunks(chunks, threads, parallel)
         for t in loop(groups):
+            frame = _frame_on_page()
             _wide_for_halves(x)
             k0, k1 = t * chunks // groups, (t + 1) * chunks // groups
             if _rows_pipelined(x):
@@ -2161,6 +2234,7 @@ def _build(loop):
                     for r in range(start, end):
                         _norm_bwd_two_passes(dy, x, weight, None, rstd, dx,
                                              _row_of(dweight_parts, k), None, r, r == start)
+            _frame_back(frame)
         # the partials' sum: by column blocks in parallel when there are many
         blocks = _sum_blocks(dweight_parts) if parallel else 0
         if blocks:
@@ -2174,6 +2248,7 @@ def _build(loop):
         rows = x.shape[0] * x.shape[1]
         groups = _thread_chunks(chunks, threads, parallel)
         for t in loop(groups):
+            frame = _frame_on_page()
             _wide_for_halves(x)
             k0, k1 = t * chunks // groups, (t + 1) * chunks // groups
             if _rows_pipelined(x):
@@ -2186,6 +2261,7 @@ def _build(loop):
                         _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx,
                                              _row_of(dweight_parts, k),
                                              _row_of(dbias_parts, k), r, r == start)
+            _frame_back(frame)
         blocks = max(_sum_blocks(dweight_parts), _sum_blocks(dbias_parts)) if parallel else 0
         if blocks:
             sum_partials_by_blocks(dweight_parts, dweight, dbias_parts, dbias, blocks)
@@ -2218,12 +2294,16 @@ def norm_fwd_blocked(x, weight, bias, eps, y, mean, rstd):
     rows, cols = x.shape[0] * x.shape[1], x.shape[2]
     sums = _wide_sums_table(x, rows, cols, _fwd_slots(mean))
     for b in prange(_wide_blocks(cols)):
+        frame = _frame_on_page()
         _wide_for_halves(x)
         _wide_fwd_sums(x, mean, sums, b)
+        _frame_back(frame)
     _wide_fwd_stats(x, eps, sums, mean, rstd)
     for b in prange(_wide_blocks(cols)):
+        frame = _frame_on_page()
         _wide_for_halves(x)
         _wide_fwd_store(x, weight, bias, mean, rstd, y, b)
+        _frame_back(frame)
 
 
 @_blocked
@@ -2235,13 +2315,17 @@ def norm_bwd_blocked(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts, 
     rows, cols = x.shape[0] * x.shape[1], x.shape[2]
     sums = _wide_sums_table(x, rows, cols, 2)
     for b in prange(_wide_blocks(cols)):
+        frame = _frame_on_page()
         _wide_for_halves(x)
         _wide_bwd_sums(dy, x, weight, mean, rstd, sums, b)
+        _frame_back(frame)
     _wide_bwd_stats(x, mean, rstd, sums)
     for b in prange(_wide_blocks(cols)):
+        frame = _frame_on_page()
         _wide_for_halves(x)
         _wide_bwd_store(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts, sums, b,
                         chunks, dweight, dbias)
+        _frame_back(frame)
 
 
 #: the column-blocked kernels, called with the arguments of PARALLEL's drivers
@@ -2274,12 +2358,14 @@ def _build_long(loop):
         blocks = (cols + _long_block(x) - 1) // _long_block(x)
         chunks = _thread_chunks(rows, threads, parallel)   # one scratch row per thread
         for k in loop(chunks):
+            frame = _frame_on_page()
             _wide_vectors()
             scratch = _acc_empty(x, _scratch_elems(y, x, cols))   # none when y takes the exps
             bmax, bsum = _acc_empty(x, blocks), _acc_empty(x, blocks)
             for r in range(k * rows // chunks, (k + 1) * rows // chunks):
                 yr = _row_at(y, r)
                 _softmax_fwd_long_row(_row_at(x, r), yr, _exps_into(yr, scratch), bmax, bsum)
+            _frame_back(frame)
     return softmax_fwd_long
 
 
@@ -2296,6 +2382,7 @@ def softmax_fwd_long_blocked(x, y, threads):
     bmax, bsum = _acc_empty(x, pieces), _acc_empty(x, pieces)
     scratch = _acc_empty(x, _scratch_elems(y, x, rows * cols))
     for k in prange(chunks):
+        frame = _frame_on_page()
         _wide_vectors()
         mx = acc(x, -np.inf)
         lo, hi = k * pieces // chunks, (k + 1) * pieces // chunks
@@ -2309,15 +2396,18 @@ def softmax_fwd_long_blocked(x, y, threads):
                                   bmax[r * blocks:(r + 1) * blocks],
                                   bsum[r * blocks:(r + 1) * blocks], j, mx,
                                   min(cols, (j + 2 if more else j + 1) * B))
+        _frame_back(frame)
     for r in range(rows):
         _long_factors(x, bmax[r * blocks:(r + 1) * blocks], bsum[r * blocks:(r + 1) * blocks])
     for k in prange(chunks):
+        frame = _frame_on_page()
         _wide_vectors()
         for p in range(k * pieces // chunks, (k + 1) * pieces // chunks):
             r, j = p // blocks, p % blocks
             yr = _row_at(y, r)
             _scaled_store(_exps_into(yr, scratch[r * cols:(r + 1) * cols]), bsum[p], yr,
                           j * B, min(cols, (j + 1) * B))
+        _frame_back(frame)
 
 
 #: the long-row softmax forwards, by build; "blocked" for fewer rows than threads
