@@ -92,9 +92,9 @@ def main(argv=None):
             slow = [o for o, t in d.items() if t > args.slow * med]
             bad.update(slow)
             here = d.get(cpu.FRAME_OFFSET)
-            print(f"  {op:15s} median {med:7.3f} ms"
-                  + (f", at FRAME_OFFSET {hex(cpu.FRAME_OFFSET)} {here / med:.2f}x" if here else "")
-                  + f"; slow at {len(slow)}: {' '.join(hex(o) for o in slow)}")
+            at = f", at FRAME_OFFSET {hex(cpu.FRAME_OFFSET)} {here / med:.2f}x" if here else ""
+            print(f"  {op:15s} median {med:7.3f} ms{at}"
+                  f"; slow at {len(slow)}: {' '.join(hex(o) for o in slow)}")
         print(f"  clear of all: {' '.join(hex(o) for o in offsets if o not in bad)}")
         sys.stdout.flush()
     if args.json:

@@ -213,8 +213,13 @@ def _frame_on_page(typingctx):
     offsets instead: 0x3c0-0x6b0 (layer_norm fwd), 0xbc0-0xd00 (rms_norm bwd),
     0xce0-0xf80 (layer_norm bwd), a few others; 0x210 lies clear of all of them,
     and as an odd multiple of 16 it also gives the float32/float64 layer_norm
-    forward 1.08x (fewer of its slots split across cache lines). Other compilers
-    or CPUs lay frames out differently: rescan with ``benchmarks/frame_scan.py``."""
+    forward 1.08x (fewer of its slots split across cache lines).
+
+    Since the stages align their frames (``_aligned_frame``) no offset is slow any
+    more (float32, same scan). The move stays: it makes a kernel's time independent
+    of its caller's stack, on every thread, for any other stack effect a compiler,
+    a CPU or a later change brings (``benchmarks/frame_scan.py`` finds them), for a
+    few nanoseconds per chunk."""
     def codegen(context, builder, sig, args):
         i64, i8p = ir.IntType(64), ir.IntType(8).as_pointer()
         save = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i8p, []),
@@ -240,6 +245,26 @@ def _frame_back(typingctx, saved):
         builder.call(restore, [args[0]])
         return context.get_dummy_value()
     return types.void(types.voidptr), codegen
+
+
+@intrinsic
+def _aligned_frame(typingctx):
+    """Marks the function being compiled "stackrealign": its prologue aligns the
+    stack pointer, so LLVM keeps vector spills in slots aligned to their size
+    (vmovaps), which never straddle a cache line or a page. Without it the
+    ``_lanes_fn`` stages spilled ymm accumulators to 16-byte aligned slots with
+    vmovups, loaded and stored every iteration: half of them split across two
+    lines, and where one straddled a page the kernel ran 2.5-4x slower (see
+    ``_frame_on_page``). Every ``_lanes_fn`` function asks for itself, as for
+    ``_wide_vectors``. AMD EPYC VM, 2026-12-06, float32 4096x4096, stack at 16-byte
+    steps over a page: no slow offset left (layer_norm fwd had 14 of 256,
+    layer_norm bwd 14, rms_norm bwd 7), and the medians 0.89-0.97x the time
+    (layer_norm fwd 3.49 ms against 3.80-3.95, bwd 5.68 against 6.4-6.9, rms_norm
+    bwd 5.29 against 5.9-6.2; bfloat16 0.95-1.0x)."""
+    def codegen(context, builder, sig, args):
+        set.add(builder.function.attributes, '"stackrealign"')
+        return context.get_dummy_value()
+    return types.void(), codegen
 
 
 # ------------------------------------------- optional parameters (typed helpers)
@@ -376,6 +401,7 @@ def _max(x):
 def _max_at(n, x):
     """``_max`` on data pointers (see ``_lanes_fn``); wide lanes: 1.07x over ymm
     in cache (float32 4x32768, one thread, 2026-12-04)."""
+    _aligned_frame()
     m = wide_lanes_zeros(x) + acc(x, -np.inf)
     step = lanes_count(m)
     for c in range(0, n - step + 1, step):
@@ -399,6 +425,7 @@ def _exp_sum(x, m, scratch):
 @_lanes_fn
 def _exp_sum_at(n, x, m, scratch):
     """``_exp_sum`` on data pointers (see ``_lanes_fn``)."""
+    _aligned_frame()
     s = wide_lanes_zeros(x)
     step = lanes_count(s)
     for c in range(0, n - step + 1, step):
@@ -433,6 +460,7 @@ def _softmax_fwd_stage_at(n, xa, xb, mb, sb, sc, inv, yc):
     own for a row that does not stream: the per-block test of a streamed store cost
     this compute-bound loop 3-6% in cache (float32 256x1024 and 1024x1024, ab.py
     15 rounds, 2026-12-06)."""
+    _aligned_frame()
     on, plain = stream_parts(yc)
     if on:
         return _softmax_fwd_stage_loop(n, xa, xb, mb, sb, sc, inv, yc)
@@ -474,6 +502,7 @@ def _softmax_long_stage_at(x, m, scratch, c0, c1, d1):
     """``_softmax_long_stage`` on data pointers (see ``_lanes_fn``). float16/bfloat16
     rows prefetch the next block's stream (ab.py --evict 512, 2026-12-05: bfloat16
     16x262144 1.17x, 4x1048576 1.08x, 1x1048576 1.06x)."""
+    _aligned_frame()
     s = wide_lanes_zeros(x)
     mx = s + acc(x, -np.inf)
     step = lanes_count(s)
@@ -502,6 +531,7 @@ def _scaled_store(scratch, f, y, c0, c1):
 @_lanes_fn
 def _scaled_store_at(scratch, f, y, c0, c1):
     """``_scaled_store`` on data pointers (see ``_lanes_fn``)."""
+    _aligned_frame()
     like = wide_lanes_zeros(scratch)
     step = lanes_count(like)
     n = c1 - c0
@@ -524,6 +554,7 @@ def _sum_sq(x, center):
 def _sum_sq_at(n, x, center):
     """``_sum_sq`` on data pointers (see ``_lanes_fn``); long rows by blocks (see
     WIDE_COLS)."""
+    _aligned_frame()
     if n < WIDE_COLS:
         return _sum_sq_span(x, center, 0, n)
     ss = sd = acc(x, -0.0)
@@ -562,6 +593,7 @@ def _moments(x, center, scale):
 def _moments_at(n, x, center, scale):
     """``_moments`` on data pointers (see ``_lanes_fn``); long rows by blocks (see
     WIDE_COLS)."""
+    _aligned_frame()
     if n < WIDE_COLS:
         return _moments_span(x, center, scale, 0, n)
     sm = ss = sd = acc(x, -0.0)
@@ -603,6 +635,7 @@ def _grad_sums(dy, weight, x, center):
 def _grad_sums_at(n, dy, weight, x, center):
     """``_grad_sums`` on data pointers (see ``_lanes_fn``); long rows by blocks
     (see WIDE_COLS)."""
+    _aligned_frame()
     if n < WIDE_COLS:       # one block: spelled out, the loop as it was (a blocks
         return _grad_sums_span(dy, weight, x, center, 0, n)   # loop: 0.84-0.92x)
     dot = gsum = acc(x, -0.0)
@@ -819,6 +852,7 @@ def _softmax_bwd_store(y, dy, dot, dx, stream):
 @_lanes_fn
 def _softmax_bwd_store_at(n, y, dy, dot, dx):
     """``_softmax_bwd_store`` on data pointers (see ``_lanes_fn``); dx may be dy."""
+    _aligned_frame()
     step = lanes_count(lanes_zeros(y))
     for c in range(0, n - step + 1, step):
         _softmax_bwd_block(y, dy, dot, dx, c, step)
@@ -874,6 +908,7 @@ def _softmax_bwd_rows(y, dy, dx, lo, hi):
 def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero):
     """Stores dxc = yc * (dyc - dot) and returns sum(dya * ya) (as ``_grad_sums``;
     long rows by blocks), on data pointers (see ``_lanes_fn``)."""
+    _aligned_frame()
     if n < WIDE_COLS:
         return _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, 0, n)
     total = acc(ya, -0.0)
@@ -930,6 +965,7 @@ def _rms_norm_fwd_stage(xa, xc, weight, rstd, yc):
 def _rms_norm_fwd_stage_at(n, xa, xc, weight, rstd, yc):
     """``_rms_norm_fwd_stage`` on data pointers (see ``_lanes_fn``); the sum of a
     long row by blocks (see WIDE_COLS)."""
+    _aligned_frame()
     if n < WIDE_COLS:
         return _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, 0, n)
     ss = acc(xa, -0.0)
@@ -1042,6 +1078,7 @@ def _rms_norm_fwd_stage2_at(n, xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc
     """Two rows' ``_rms_norm_fwd_stage_at`` in one pass (``_rms_norm_fwd_pairs``):
     stores yc0, yc1 and returns the sums of squares of xa0, xa1, long rows by the
     same blocks (see WIDE_COLS)."""
+    _aligned_frame()
     _no_alias_args("xa0 xa1 xc0 xc1 weight")
     if n < WIDE_COLS:
         return _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, 0, n)
@@ -1145,6 +1182,7 @@ def _layer_norm_fwd_stage(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
 def _layer_norm_fwd_stage_at(n, xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
     """``_layer_norm_fwd_stage`` on data pointers (see ``_lanes_fn``); the sums of a
     long row by blocks (see WIDE_COLS)."""
+    _aligned_frame()
     if n < WIDE_COLS:
         return _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc,
                                           0, n)
@@ -1242,6 +1280,7 @@ def _layer_norm_fwd_stage2_at(n, xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight,
     """Two rows' ``_layer_norm_fwd_stage_at`` in one pass (``_layer_norm_fwd_pairs``):
     stores yc0, yc1 and returns the shifted sums of xa0 (about m00), then of xa1
     (about m01), long rows by the same blocks (see WIDE_COLS)."""
+    _aligned_frame()
     _no_alias_args("xa0 xa1 xc0 xc1 weight bias")
     if n < WIDE_COLS:
         return _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias,
@@ -1472,6 +1511,7 @@ def _norm_bwd_stage2_at(n, dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, 
     """Two rows' ``_norm_bwd_stage_at`` in one pass (``_norm_bwd_pairs``): stores
     rows c0 and c1 (c0's terms into the partials first, ``first`` for c0 only) and
     returns the sums of rows a0 and a1, long rows by the same blocks (WIDE_COLS)."""
+    _aligned_frame()
     _no_alias_args("xc0 xc1 weight dweight dbias dya0 xa0 dya1 xa1")
     if n < WIDE_COLS:
         return _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0,
@@ -1526,6 +1566,7 @@ def _norm_bwd_stage_at(n, dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dwei
     long rows by blocks (see WIDE_COLS). meanc/meana None: RMSNorm's (no
     subtraction; its x - 0 would be exact, so the same bits). dyc and dxc may be
     one row (in place), so only the others are noalias."""
+    _aligned_frame()
     _no_alias_args("xc weight dweight dbias dya xa")
     if n < WIDE_COLS:
         return _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight,
@@ -1562,6 +1603,7 @@ def _norm_bwd_store_at(c0, c1, dy, x, weight, mean, rstd, dot, gmean, dx, dweigh
                        first):
     """The stage's store alone, columns c0..c1-1 (the column-blocked backward's),
     on data pointers (see ``_lanes_fn``)."""
+    _aligned_frame()
     _no_alias_args("x weight dweight dbias")
     step = lanes_count(lanes_zeros(x))
     for c in range(c0, c1 - step + 1, step):
