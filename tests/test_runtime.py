@@ -1,5 +1,7 @@
 """Runtime behaviour of the CPU backend: concurrent callers, the on-disk cache
 shared by processes starting at once, and ahead-of-use compilation."""
+import ast
+import inspect
 import os
 import subprocess
 import sys
@@ -7,8 +9,13 @@ import textwrap
 import threading
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 import numba_fused as nf
 from numba_fused import cpu
@@ -271,3 +278,89 @@ def test_parallel_bits_equal_serial_compiled_or_cached(tmp_path):
         for s in range(2):
             assert runs[k][2 * s + 1] == serial[s], f"process {k + 1}: serial bits moved"
             assert runs[k][2 * s] == serial[s], f"process {k + 1}: parallel != serial"
+
+
+# --------------------------------------------------------------- stack frames
+@intrinsic
+def _stack_here(typingctx):
+    """The stack pointer where it runs (llvm.stacksave)."""
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        save = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i8p, []),
+                                              "llvm.stacksave")
+        return builder.ptrtoint(builder.call(save, []), ir.IntType(64))
+    return types.int64(), codegen
+
+
+@njit
+def _callee_stack():
+    return _stack_here()
+
+
+@njit(parallel=True)
+def _framed(out):
+    for k in prange(out.shape[0]):
+        frame = cpu._frame_on_page()
+        out[k] = _callee_stack()
+        cpu._frame_back(frame)
+
+
+@njit(parallel=True)
+def _unframed(out):
+    for k in prange(out.shape[0]):
+        out[k] = _callee_stack()
+
+
+def _nested(depth, fn):
+    """fn() called ``depth`` C-level calls deeper (a ``*args`` call recurses in C)."""
+    return fn() if depth == 0 else _nested(*(depth - 1, fn))
+
+
+def test_frames_sit_at_one_page_offset_for_every_caller_and_thread():
+    """``_frame_on_page`` puts the prange body's callees at FRAME_OFFSET (less the
+    64-byte floor of its pad) within a page on every thread, however deep the
+    caller's stack: kernel speed once depended on where a stage's frame fell."""
+    seen = {}
+    for name, kernel in (("framed", _framed), ("unframed", _unframed)):
+        offsets = set()
+        for depth in range(0, 24, 3):
+            out = np.zeros(8 * numba.get_num_threads(), np.int64)
+            _nested(depth, lambda: kernel(out))
+            offsets |= {int(v) % 4096 for v in out}
+        seen[name] = offsets
+    assert len(seen["unframed"]) > 1          # the depth moves an unplaced frame
+    assert len(seen["framed"]) == 1, sorted(hex(v) for v in seen["framed"])
+    below = (cpu.FRAME_OFFSET - seen["framed"].pop()) % 4096
+    assert 64 <= below <= 256, below
+
+
+#: prange loops that need no placed frame: they call no stage (``_lanes_fn``)
+_UNFRAMED_LOOPS = {"sum_partials_by_blocks", "_launch_probe"}
+
+
+def test_every_stage_aligns_its_frame_and_every_driver_places_it():
+    """Every ``_lanes_fn`` stage asks for an aligned frame (its vector spills can
+    then not straddle a page), and every driver loop body starts with
+    ``_frame_on_page()`` and ends with ``_frame_back`` (source check: a new stage
+    or driver cannot silently miss them)."""
+    tree = ast.parse(inspect.getsource(cpu))
+    stages, loops = 0, 0
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        if any(getattr(d, "id", None) == "_lanes_fn" for d in fn.decorator_list):
+            stages += 1
+            calls = {c.func.id for c in ast.walk(fn)
+                     if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+            assert "_aligned_frame" in calls, fn.name
+        if fn.name in _UNFRAMED_LOOPS:
+            continue
+        for loop in ast.walk(fn):
+            if not (isinstance(loop, ast.For) and isinstance(loop.iter, ast.Call)
+                    and getattr(loop.iter.func, "id", None) in ("prange", "loop")):
+                continue
+            loops += 1
+            first, last = ast.unparse(loop.body[0]), ast.unparse(loop.body[-1])
+            assert first == "frame = _frame_on_page()", (fn.name, first)
+            assert last == "_frame_back(frame)", (fn.name, last)
+    assert stages >= 17 and loops >= 14, (stages, loops)
