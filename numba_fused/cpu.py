@@ -199,12 +199,12 @@ def _frame_on_page(typingctx):
     with it, so the functions it calls, the stages with the hot loops, keep their
     frames at one place in a page on every thread and for every caller.
 
-    Why: LLVM keeps some of a stage's vector accumulators in 16-byte aligned stack
-    slots, loaded and stored on every iteration (``_layer_norm_fwd_stage2_at``,
-    float32: 15 ymm slots). A slot that straddles a page boundary costs a split
-    load and store each time. Where the frames fall depended on the caller: the
-    main thread's stack position moves with the Python call depth (and ASLR),
-    the workers' is fixed per process. AMD EPYC (Zen 4) VM, 2026-12-06, float32
+    Why: before ``_aligned_frame``, LLVM kept some of a stage's vector accumulators
+    in 16-byte aligned stack slots, loaded and stored on every iteration
+    (``_layer_norm_fwd_stage2_at``, float32: 15 ymm slots), and a slot that
+    straddled a page boundary cost a split load and store each time. Where the
+    frames fell depended on the caller: the main thread's stack position moves
+    with the Python call depth (and ASLR), the workers' is fixed per process. AMD EPYC (Zen 4) VM, 2026-12-06, float32
     4096x4096, the caller's stack moved in 16-byte steps over a page: layer_norm
     fwd 16 ms instead of 4 at 14 of 256 positions, layer_norm bwd 17 instead of 6.7
     at 17, rms_norm bwd 16.5 instead of 6.3 at 7; float64 alike; float16/bfloat16
