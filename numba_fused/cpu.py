@@ -1318,7 +1318,8 @@ def _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias, 
 
 
 @_row
-def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first):
+def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first,
+                          stream):
     """The store pass of ``_norm_bwd_two_passes``, given the row's sums: the
     pipelined stage's store (``_norm_bwd_store_at``, dx, dweight and dbias in one
     loop of lanes). With mean None, gmean 0 and dbias None it is RMSNorm's (its
@@ -1326,11 +1327,18 @@ def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, db
     dbias in a loop of its own (as a third output there the bfloat16 backward ran
     ~1.6x slower): the same bits, and on the AMD EPYC, 2026-12-05, from memory
     bfloat16 1024-2048 columns 1.12-1.34x, float16 1.00-1.15x, float32 0.97-1.13x;
-    in cache 1.03-1.12x (small float32 calls 0.96-1.12x)."""
+    in cache 1.03-1.12x (small float32 calls 0.96-1.12x).
+
+    ``stream``: dx in non-temporal stores (``_streams``). Until 2026-12-07 this
+    store never streamed, so the float32/float64 row path (rows under
+    BWD_PIPELINE_BYTES) read every line of dx before writing it. ab.py --evict 64,
+    9 rounds, AMD EPYC, float32: rms_norm bwd 1.12-1.23x, layer_norm bwd
+    1.04-1.29x (65536x1024 1.14x / 1.04x; 8192x2000 1.23x / 1.29x), bfloat16
+    (pipelined from fewer columns) 0.99-1.03x."""
     # np.intp(0) and first != False: plain int64 and bool, where a literal 0 or
     # False compiled the callee again (62 of its 78 signatures in a CI run, 2026-12-06)
     _norm_bwd_store_at(np.intp(0), x.shape[0], _data(dy), _data(x), _data(weight), mean,
-                       rstd, dot, gmean, _target(dx, dy, False),
+                       rstd, dot, gmean, _target(dx, dy, stream),
                        _data(dweight), _data(dbias), first != False)  # noqa: E712
 
 
@@ -1399,7 +1407,7 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
     _layer_norm_bwd_store(_row_at(dy, hi - 1), _row_at(x, hi - 1), weight,
                           _stat(x, mean, hi - 1), acc(x, rstd[hi - 1]), dot,
                           _gmean_of(x, mean, gmean), _row_at(dx, hi - 1),
-                          _row_of(wparts, k), _row_of(bparts, k), hi - 1 == start)
+                          _row_of(wparts, k), _row_of(bparts, k), hi - 1 == start, stream)
 
 
 #: float32/float64 norm backwards on rows of PAIR_BYTES and more whose
@@ -1455,16 +1463,17 @@ def _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end):
     ``_norm_bwd_rows``' stage, row by row: the same bits. A chunk of fewer than 4
     rows takes each row's two passes."""
     inv_cols = acc(x, 1.0) / acc(x, x.shape[2])
+    stream = _streams(dx)
     if end - start < 4:
         for r in range(start, end):
-            _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r, r == start)
+            _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r, r == start,
+                                 stream)
         return
     d0, m0 = _layer_norm_bwd_sums(_row_at(dy, start), _row_at(x, start), weight,
                                   _stat(x, mean, start), acc(x, rstd[start]))
     d1, m1 = _layer_norm_bwd_sums(_row_at(dy, start + 1), _row_at(x, start + 1), weight,
                                   _stat(x, mean, start + 1), acc(x, rstd[start + 1]))
     r = start
-    stream = _streams(dx)
     while r + 3 < end:
         dy0, dy1 = _row_at(dy, r), _row_at(dy, r + 1)
         s0, g0, s1, g1 = _norm_bwd_stage2_at(
@@ -1481,27 +1490,29 @@ def _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end):
         r += 2
     _layer_norm_bwd_store(_row_at(dy, r), _row_at(x, r), weight, _stat(x, mean, r),
                           acc(x, rstd[r]), d0, _gmean_of(x, mean, m0), _row_at(dx, r), wpart,
-                          bpart, False)
+                          bpart, False, stream)
     _layer_norm_bwd_store(_row_at(dy, r + 1), _row_at(x, r + 1), weight, _stat(x, mean, r + 1),
                           acc(x, rstd[r + 1]), d1, _gmean_of(x, mean, m1), _row_at(dx, r + 1),
-                          wpart, bpart, False)
+                          wpart, bpart, False, stream)
     if end - r == 3:
-        _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r + 2, False)
+        _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r + 2, False, stream)
 
 
 @_row
-def _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r, first):
+def _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r, first, stream):
     """Row r of a norm backward on its own: its sums, then its store, with the
     operations of the pipelined rows' stage (the same bits). With
     xhat = (x - mean) * rstd, g = dy * weight:
     dx = rstd * (g - xhat * mean(g * xhat) - mean(g)); wpart += dy * xhat and
     bpart += dy (= on the chunk's ``first`` row: partial rows need no zeroing).
     RMSNorm: mean None (no subtraction, no mean(g) term) and bpart None. dx None:
-    written into dy (in place)."""
+    written into dy (in place). ``stream``: dx in non-temporal stores
+    (``_streams(dx)`` of the whole output, as the pipelined rows')."""
     m = _stat(x, mean, r)
     dot, gmean = _layer_norm_bwd_sums(_row_at(dy, r), _row_at(x, r), weight, m, acc(x, rstd[r]))
     _layer_norm_bwd_store(_row_at(dy, r), _row_at(x, r), weight, m, acc(x, rstd[r]), dot,
-                          _gmean_of(x, mean, gmean), _row_at(dx, r), wpart, bpart, first)
+                          _gmean_of(x, mean, gmean), _row_at(dx, r), wpart, bpart, first,
+                          stream)
 
 
 @_lanes_fn
@@ -2271,11 +2282,13 @@ def _build(loop):
                 _norm_bwd_rows(dy, x, weight, None, rstd, dx, dweight_parts, None, chunks,
                                k0, k1)
             else:
+                stream = _streams(dx)
                 for k in range(k0, k1):
                     start, end = _chunk_rows(k, rows, chunks)
                     for r in range(start, end):
                         _norm_bwd_two_passes(dy, x, weight, None, rstd, dx,
-                                             _row_of(dweight_parts, k), None, r, r == start)
+                                             _row_of(dweight_parts, k), None, r, r == start,
+                                             stream)
             _frame_back(frame)
         # the partials' sum: by column blocks in parallel when there are many
         blocks = _sum_blocks(dweight_parts) if parallel else 0
@@ -2297,12 +2310,13 @@ def _build(loop):
                 _norm_bwd_rows(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
                                chunks, k0, k1)
             else:
+                stream = _streams(dx)
                 for k in range(k0, k1):
                     start, end = _chunk_rows(k, rows, chunks)
                     for r in range(start, end):
                         _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx,
                                              _row_of(dweight_parts, k),
-                                             _row_of(dbias_parts, k), r, r == start)
+                                             _row_of(dbias_parts, k), r, r == start, stream)
             _frame_back(frame)
         blocks = max(_sum_blocks(dweight_parts), _sum_blocks(dbias_parts)) if parallel else 0
         if blocks:

@@ -445,7 +445,7 @@ def test_compiled_callees_take_no_literal_types(rng):
             njit(error_model="numpy")(entry.py_func).compile(sig)
     rows = x.reshape(1, *x.shape)
     njit(error_model="numpy")(cpu._norm_bwd_two_passes.py_func)(
-        rows, rows.copy(), w, mean, rstd, None, w.copy(), w.copy(), 0, True)
+        rows, rows.copy(), w, mean, rstd, None, w.copy(), w.copy(), 0, True, False)
     callees = [*cpu.SERIAL.values(), cpu._norm_bwd_store_at]
     assert all(k.signatures for k in callees)
     literal = [(k.py_func.__name__, sig) for k in callees for sig in k.signatures
@@ -646,9 +646,9 @@ def test_inplace_backward_kernel_is_vectorized(op):
         stat = np.ones(1, np.float32)
         args = {"softmax_bwd": (row, row.copy(), np.float32(0.5), None, False),
                 "rms_norm_bwd": (rows, rows.copy(), w, None, stat, None, w.copy(), None, 0,
-                                 True),
+                                 True, False),
                 "layer_norm_bwd": (rows, rows.copy(), w, stat * 0, stat, None, w.copy(),
-                                   w.copy(), 0, True)}[op]
+                                   w.copy(), 0, True, False)}[op]
         fresh = njit(error_model="numpy")(fn.py_func)   # cached code cannot be inspected
         fresh(*args)
         asm = fresh.inspect_asm(fresh.signatures[0])
