@@ -364,3 +364,27 @@ def test_every_stage_aligns_its_frame_and_every_driver_places_it():
             assert first == "frame = _frame_on_page()", (fn.name, first)
             assert last == "_frame_back(frame)", (fn.name, last)
     assert stages >= 17 and loops >= 14, (stages, loops)
+
+
+#: calls that may pass a constant stream flag: the softmax pipeline's spare
+#: scratch row and the in-place target (dy, whose lines were just read)
+_CONSTANT_STREAM_OK = {"_fwd_stream(spare, False)", "streaming(dy, False)"}
+
+
+def test_output_stores_take_the_run_time_stream_flag():
+    """Every store of a kernel's output row gets its non-temporal flag from the
+    output (``cpu._streams``), never a constant: the norm backwards' row path once
+    stored dx with a literal False, so rows under 8 KiB read every line of dx
+    before writing it (float32 rms_norm bwd 1.12-1.23x once fixed). Source check
+    over the calls that take the flag last."""
+    takes_flag = {"streaming", "_fwd_stream", "_target", "_softmax_bwd_store",
+                  "_layer_norm_bwd_store", "_norm_bwd_two_passes"}
+    seen = set()
+    for call in ast.walk(ast.parse(inspect.getsource(cpu))):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                and call.func.id in takes_flag and call.args):
+            continue
+        seen.add(call.func.id)
+        if isinstance(call.args[-1], ast.Constant) and ast.unparse(call) not in _CONSTANT_STREAM_OK:
+            raise AssertionError(f"constant stream flag: {ast.unparse(call)}")
+    assert seen == takes_flag, takes_flag - seen
