@@ -1320,9 +1320,9 @@ def _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias, 
 @_row
 def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first,
                           stream):
-    """The store pass of ``_norm_bwd_two_passes``, given the row's sums: the
-    pipelined stage's store (``_norm_bwd_store_at``, dx, dweight and dbias in one
-    loop of lanes). With mean None, gmean 0 and dbias None it is RMSNorm's (its
+    """The store pass of a row given its sums (the pipelines' first and last rows;
+    ``_norm_bwd_row_at`` has it after the sums): the pipelined stage's store
+    (``_norm_bwd_store_at``, dx, dweight and dbias in one loop of lanes). With mean None, gmean 0 and dbias None it is RMSNorm's (its
     x - 0 would be exact). It replaced an element loop that LLVM vectorized, with
     dbias in a loop of its own (as a third output there the bfloat16 backward ran
     ~1.6x slower): the same bits, and on the AMD EPYC, 2026-12-05, from memory
@@ -1508,11 +1508,39 @@ def _norm_bwd_two_passes(dy, x, weight, mean, rstd, dx, wpart, bpart, r, first, 
     RMSNorm: mean None (no subtraction, no mean(g) term) and bpart None. dx None:
     written into dy (in place). ``stream``: dx in non-temporal stores
     (``_streams(dx)`` of the whole output, as the pipelined rows')."""
-    m = _stat(x, mean, r)
-    dot, gmean = _layer_norm_bwd_sums(_row_at(dy, r), _row_at(x, r), weight, m, acc(x, rstd[r]))
-    _layer_norm_bwd_store(_row_at(dy, r), _row_at(x, r), weight, m, acc(x, rstd[r]), dot,
-                          _gmean_of(x, mean, gmean), _row_at(dx, r), wpart, bpart, first,
-                          stream)
+    dyr, xr = _row_at(dy, r), _row_at(x, r)
+    _norm_bwd_row_at(xr.shape[0], _data(dyr), _data(xr), _data(weight), _stat(x, mean, r),
+                     acc(x, rstd[r]), acc(x, 1.0) / acc(x, xr.shape[0]),
+                     _target(_row_at(dx, r), dyr, stream), _data(wpart), _data(bpart),
+                     first != False)  # noqa: E712
+
+
+@_lanes_fn
+def _norm_bwd_row_at(n, dy, x, weight, mean, rstd, inv_cols, dx, dweight, dbias, first):
+    """``_norm_bwd_two_passes`` on data pointers: the row's sums (those of
+    ``_layer_norm_bwd_sums``), then its store (that of ``_norm_bwd_store_at``), in
+    one call, where there were two: the same bits, and ab.py --evict 64, 11
+    rounds, AMD EPYC, 2026-12-07: float32 layer_norm bwd 65536x1024 1.10x,
+    16384x1024 1.15x, 4096x4096 1.03x, 512-2000 columns 1.01-1.03x (rms_norm bwd
+    0.97-1.03x); small calls (--calls 500) float32 64x1024 1.15-1.16x, bfloat16
+    1x1024 1.07-1.09x, 64x1024 1.03x, (1, 1024) float32 1.01-1.02x."""
+    _aligned_frame()
+    _no_alias_args("x weight dweight dbias")
+    if n < WIDE_COLS:
+        dot, gsum = _grad_sums_span(dy, weight, x, mean, 0, n)
+    else:
+        dot = gsum = acc(x, -0.0)
+        for c0 in range(0, n, WIDE_BLOCK):
+            d, g = _grad_sums_span(dy, weight, x, mean, c0, min(n, c0 + WIDE_BLOCK))
+            dot, gsum = dot + d, gsum + g
+    dot, gmean = rstd * dot * inv_cols, _gmean_of(x, mean, gsum * inv_cols)
+    step = lanes_count(lanes_zeros(x))
+    for c in range(0, n - step + 1, step):
+        _norm_bwd_block(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first, c,
+                        step)
+    if n % step:
+        _norm_bwd_block(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first,
+                        n - n % step, n % step)
 
 
 @_lanes_fn

@@ -446,7 +446,7 @@ def test_compiled_callees_take_no_literal_types(rng):
     rows = x.reshape(1, *x.shape)
     njit(error_model="numpy")(cpu._norm_bwd_two_passes.py_func)(
         rows, rows.copy(), w, mean, rstd, None, w.copy(), w.copy(), 0, True, False)
-    callees = [*cpu.SERIAL.values(), cpu._norm_bwd_store_at]
+    callees = [*cpu.SERIAL.values(), cpu._norm_bwd_store_at, cpu._norm_bwd_row_at]
     assert all(k.signatures for k in callees)
     literal = [(k.py_func.__name__, sig) for k in callees for sig in k.signatures
                if any(isinstance(t, types.Literal) for t in sig)]
