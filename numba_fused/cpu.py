@@ -204,9 +204,10 @@ def _frame_on_page(typingctx):
     (``_layer_norm_fwd_stage2_at``, float32: 15 ymm slots), and a slot that
     straddled a page boundary cost a split load and store each time. Where the
     frames fell depended on the caller: the main thread's stack position moves
-    with the Python call depth (and ASLR), the workers' is fixed per process. AMD EPYC (Zen 4) VM, 2026-12-06, float32
-    4096x4096, the caller's stack moved in 16-byte steps over a page: layer_norm
-    fwd 16 ms instead of 4 at 14 of 256 positions, layer_norm bwd 17 instead of 6.7
+    with the Python call depth (and ASLR), the workers' is fixed per process. AMD
+    EPYC (Zen 4) VM, 2026-12-06, float32 4096x4096, the caller's stack moved in
+    16-byte steps over a page: layer_norm fwd 16 ms instead of 4 at 14 of 256
+    positions, layer_norm bwd 17 instead of 6.7
     at 17, rms_norm bwd 16.5 instead of 6.3 at 7; float64 alike; float16/bfloat16
     1.3x at a few. That was the "per-process slow state" of earlier benchmark
     runs (RESULTS.md). With the frames moved here, each kernel is slow at a band of
@@ -1322,9 +1323,9 @@ def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, db
                           stream):
     """The store pass of a row given its sums (the pipelines' first and last rows;
     ``_norm_bwd_row_at`` has it after the sums): the pipelined stage's store
-    (``_norm_bwd_store_at``, dx, dweight and dbias in one loop of lanes). With mean None, gmean 0 and dbias None it is RMSNorm's (its
-    x - 0 would be exact). It replaced an element loop that LLVM vectorized, with
-    dbias in a loop of its own (as a third output there the bfloat16 backward ran
+    (``_norm_bwd_store_at``, dx, dweight and dbias in one loop of lanes). With mean
+    None, gmean 0 and dbias None it is RMSNorm's (its x - 0 would be exact). It
+    replaced an element loop that LLVM vectorized, with dbias in a loop of its own (as a third output there the bfloat16 backward ran
     ~1.6x slower): the same bits, and on the AMD EPYC, 2026-12-05, from memory
     bfloat16 1024-2048 columns 1.12-1.34x, float16 1.00-1.15x, float32 0.97-1.13x;
     in cache 1.03-1.12x (small float32 calls 0.96-1.12x).

@@ -385,6 +385,7 @@ def test_output_stores_take_the_run_time_stream_flag():
                 and call.func.id in takes_flag and call.args):
             continue
         seen.add(call.func.id)
-        if isinstance(call.args[-1], ast.Constant) and ast.unparse(call) not in _CONSTANT_STREAM_OK:
+        constant = isinstance(call.args[-1], ast.Constant)
+        if constant and ast.unparse(call) not in _CONSTANT_STREAM_OK:
             raise AssertionError(f"constant stream flag: {ast.unparse(call)}")
     assert seen == takes_flag, takes_flag - seen
