@@ -1324,11 +1324,12 @@ def _layer_norm_bwd_store(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, db
     """The store pass of a row given its sums (the pipelines' first and last rows;
     ``_norm_bwd_row_at`` has it after the sums): the pipelined stage's store
     (``_norm_bwd_store_at``, dx, dweight and dbias in one loop of lanes). With mean
-    None, gmean 0 and dbias None it is RMSNorm's (its x - 0 would be exact). It
-    replaced an element loop that LLVM vectorized, with dbias in a loop of its own (as a third output there the bfloat16 backward ran
-    ~1.6x slower): the same bits, and on the AMD EPYC, 2026-12-05, from memory
-    bfloat16 1024-2048 columns 1.12-1.34x, float16 1.00-1.15x, float32 0.97-1.13x;
-    in cache 1.03-1.12x (small float32 calls 0.96-1.12x).
+    None, gmean 0 and dbias None it is RMSNorm's (its x - 0 would be exact). It replaced
+    an element loop that LLVM vectorized, with dbias in a loop of its own (as a third
+    output there the bfloat16 backward ran ~1.6x slower): the same bits, and on the AMD
+    EPYC, 2026-12-05, from memory bfloat16 1024-2048 columns 1.12-1.34x, float16
+    1.00-1.15x, float32 0.97-1.13x; in cache 1.03-1.12x (small float32 calls
+    0.96-1.12x).
 
     ``stream``: dx in non-temporal stores (``_streams``). Until 2026-12-07 this
     store never streamed, so the float32/float64 row path (rows under
