@@ -861,27 +861,6 @@ def _softmax_bwd_store_at(n, y, dy, dot, dx):
         _softmax_bwd_block(y, dy, dot, dx, n - n % step, n % step)
 
 
-@_lanes_fn
-def _softmax_bwd_row_at(n, y, dy, dx, zero):
-    """A row's ``_softmax_bwd_dot`` then its ``_softmax_bwd_store``, in one call on
-    data pointers, where there were two (the same bits). ab.py, AMD EPYC,
-    2026-12-07, float32 --evict 64, 11 rounds: 256-1024 columns 0.95-1.04x
-    (medians; minima 1.00-1.11x), float64 1.01-1.03x; small calls (--calls 500)
-    1x1024, 64x1024, 256x256 1.03-1.04x."""
-    _aligned_frame()
-    if n < WIDE_COLS:
-        dot = _grad_sums_span(dy, None, y, zero, 0, n)[0]
-    else:
-        dot = acc(y, -0.0)
-        for c0 in range(0, n, WIDE_BLOCK):
-            dot += _grad_sums_span(dy, None, y, zero, c0, min(n, c0 + WIDE_BLOCK))[0]
-    step = lanes_count(lanes_zeros(y))
-    for c in range(0, n - step + 1, step):
-        _softmax_bwd_block(y, dy, dot, dx, c, step)
-    if n % step:
-        _softmax_bwd_block(y, dy, dot, dx, n - n % step, n % step)
-
-
 def _softmax_bwd_pipelined(y):
     raise NotImplementedError
 
@@ -913,8 +892,7 @@ def _softmax_bwd_rows(y, dy, dx, lo, hi):
     if not _softmax_bwd_pipelined(y):
         for r in range(lo, hi):
             yr, dyr = _row_at(y, r), _row_at(dy, r)
-            _softmax_bwd_row_at(yr.shape[0], _data(yr), _data(dyr),
-                                _target(_row_at(dx, r), dyr, stream), acc(y, 0.0))
+            _softmax_bwd_store(yr, dyr, _softmax_bwd_dot(yr, dyr), _row_at(dx, r), stream)
         return
     dot = _softmax_bwd_dot(_row_at(y, lo), _row_at(dy, lo))
     for r in range(lo, hi - 1):
