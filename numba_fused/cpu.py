@@ -199,22 +199,21 @@ def _frame_on_page(typingctx):
     with it, so the functions it calls, the stages with the hot loops, keep their
     frames at one place in a page on every thread and for every caller.
 
-    Why: before ``_aligned_frame``, LLVM kept some of a stage's vector accumulators
-    in 16-byte aligned stack slots, loaded and stored on every iteration
-    (``_layer_norm_fwd_stage2_at``, float32: 15 ymm slots), and a slot that
-    straddled a page boundary cost a split load and store each time. Where the
-    frames fell depended on the caller: the main thread's stack position moves
-    with the Python call depth (and ASLR), the workers' is fixed per process. AMD
-    EPYC (Zen 4) VM, 2026-12-06, float32 4096x4096, the caller's stack moved in
-    16-byte steps over a page: layer_norm fwd 16 ms instead of 4 at 14 of 256
-    positions, layer_norm bwd 17 instead of 6.7
-    at 17, rms_norm bwd 16.5 instead of 6.3 at 7; float64 alike; float16/bfloat16
-    1.3x at a few. That was the "per-process slow state" of earlier benchmark
-    runs (RESULTS.md). With the frames moved here, each kernel is slow at a band of
-    offsets instead: 0x3c0-0x6b0 (layer_norm fwd), 0xbc0-0xd00 (rms_norm bwd),
-    0xce0-0xf80 (layer_norm bwd), a few others; 0x210 lies clear of all of them,
-    and as an odd multiple of 16 it also gives the float32/float64 layer_norm
-    forward 1.08x (fewer of its slots split across cache lines).
+    Why: before ``_aligned_frame``, LLVM kept some of a stage's vector accumulators in
+    16-byte aligned stack slots, loaded and stored on every iteration
+    (``_layer_norm_fwd_stage2_at``, float32: 15 ymm slots), and a slot that straddled a
+    page boundary cost a split load and store each time. Where the frames fell depended
+    on the caller: the main thread's stack position moves with the Python call depth
+    (and ASLR), the workers' is fixed per process. AMD EPYC (Zen 4) VM, 2026-12-06,
+    float32 4096x4096, the caller's stack moved in 16-byte steps over a page: layer_norm
+    fwd 16 ms instead of 4 at 14 of 256 positions, layer_norm bwd 17 instead of 6.7 at
+    17, rms_norm bwd 16.5 instead of 6.3 at 7; float64 alike; float16/bfloat16 1.3x at a
+    few. That was the "per-process slow state" of earlier benchmark runs (RESULTS.md).
+    With the frames moved here, each kernel is slow at a band of offsets instead:
+    0x3c0-0x6b0 (layer_norm fwd), 0xbc0-0xd00 (rms_norm bwd), 0xce0-0xf80 (layer_norm
+    bwd), a few others; 0x210 lies clear of all of them, and as an odd multiple of 16 it
+    also gives the float32/float64 layer_norm forward 1.08x (fewer of its slots split
+    across cache lines).
 
     Since the stages align their frames (``_aligned_frame``) no offset is slow any
     more (float32, same scan). The move stays: it makes a kernel's time independent
@@ -637,6 +636,12 @@ def _grad_sums_at(n, dy, weight, x, center):
     """``_grad_sums`` on data pointers (see ``_lanes_fn``); long rows by blocks
     (see WIDE_COLS)."""
     _aligned_frame()
+    return _grad_sums_blocks(n, dy, weight, x, center)
+
+
+@_row
+def _grad_sums_blocks(n, dy, weight, x, center):
+    """The body of ``_grad_sums_at`` (and the sums of ``_norm_bwd_row_at``)."""
     if n < WIDE_COLS:       # one block: spelled out, the loop as it was (a blocks
         return _grad_sums_span(dy, weight, x, center, 0, n)   # loop: 0.84-0.92x)
     dot = gsum = acc(x, -0.0)
@@ -1528,21 +1533,9 @@ def _norm_bwd_row_at(n, dy, x, weight, mean, rstd, inv_cols, dx, dweight, dbias,
     1x1024 1.07-1.09x, 64x1024 1.03x, (1, 1024) float32 1.01-1.02x."""
     _aligned_frame()
     _no_alias_args("x weight dweight dbias")
-    if n < WIDE_COLS:
-        dot, gsum = _grad_sums_span(dy, weight, x, mean, 0, n)
-    else:
-        dot = gsum = acc(x, -0.0)
-        for c0 in range(0, n, WIDE_BLOCK):
-            d, g = _grad_sums_span(dy, weight, x, mean, c0, min(n, c0 + WIDE_BLOCK))
-            dot, gsum = dot + d, gsum + g
-    dot, gmean = rstd * dot * inv_cols, _gmean_of(x, mean, gsum * inv_cols)
-    step = lanes_count(lanes_zeros(x))
-    for c in range(0, n - step + 1, step):
-        _norm_bwd_block(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first, c,
-                        step)
-    if n % step:
-        _norm_bwd_block(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first,
-                        n - n % step, n % step)
+    dot, gsum = _grad_sums_blocks(n, dy, weight, x, mean)
+    _norm_bwd_store_span(0, n, dy, x, weight, mean, rstd, rstd * dot * inv_cols,
+                         _gmean_of(x, mean, gsum * inv_cols), dx, dweight, dbias, first)
 
 
 @_lanes_fn
@@ -1646,6 +1639,14 @@ def _norm_bwd_store_at(c0, c1, dy, x, weight, mean, rstd, dot, gmean, dx, dweigh
     on data pointers (see ``_lanes_fn``)."""
     _aligned_frame()
     _no_alias_args("x weight dweight dbias")
+    _norm_bwd_store_span(c0, c1, dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias,
+                         first)
+
+
+@_row
+def _norm_bwd_store_span(c0, c1, dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias,
+                         first):
+    """The body of ``_norm_bwd_store_at`` (and the store of ``_norm_bwd_row_at``)."""
     step = lanes_count(lanes_zeros(x))
     for c in range(c0, c1 - step + 1, step):
         _norm_bwd_block(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first, c,
