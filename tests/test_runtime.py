@@ -136,31 +136,103 @@ def test_eight_threads_first_small_calls_at_once():
 
 
 _CHILD = textwrap.dedent("""
-    import hashlib, numpy as np, ml_dtypes, numba_fused as nf
-    x = np.random.default_rng(3).standard_normal((8, 96)).astype(ml_dtypes.bfloat16)
+    import hashlib, sys, numpy as np, ml_dtypes, numba_fused as nf
+    from numba_fused import cpu
+    dtype = np.dtype(ml_dtypes.bfloat16 if sys.argv[1] == "bfloat16" else sys.argv[1])
+    x = np.random.default_rng(3).standard_normal((8, 96)).astype(dtype)
     y, mean, rstd = nf.layer_norm_fwd(x, np.ones(96, np.float32), None)
     dx, dw, db = nf.layer_norm_bwd(x, x, np.ones(96, np.float32), None, mean, rstd)
-    print(hashlib.sha256(y.tobytes() + dx.tobytes() + dw.tobytes()).hexdigest())
+    misses = sum(sum(d.stats.cache_misses.values()) for d in cpu.SERIAL.values())
+    print(hashlib.sha256(y.tobytes() + dx.tobytes() + dw.tobytes()).hexdigest(), misses)
 """)
+
+#: one dtype a process: each compiles its own signatures of the same kernels
+CACHE_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def crossed_cache_entries(cache):
+    """Index entries of the on-disk cache under ``cache`` whose data file holds
+    another signature than the entry's key."""
+    import pickle
+    crossed = []
+    for index in Path(cache).rglob("*.nbi"):
+        with open(index, "rb") as f:
+            pickle.load(f)                                  # numba's version
+            _, overloads = pickle.loads(f.read())
+        for key, name in overloads.items():
+            with open(index.parent / name, "rb") as f:
+                data = pickle.loads(f.read())
+            if tuple(data[3].args) != tuple(key[0]):        # CompileResult._reduce()
+                crossed.append((index.name, key[0], data[3].args))
+    return crossed
 
 
 def test_processes_filling_one_empty_cache_at_once(tmp_path):
+    """Processes filling one empty cache at once, two of them with one dtype and
+    the others with other dtypes (other signatures of the same kernels): every
+    index entry names its own signature's code, and a later process of each dtype
+    loads all its kernels from the cache and computes the same bits."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD], env=env,
+    dtypes = CACHE_DTYPES + CACHE_DTYPES[:1]
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, dtype], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(4)]
-    outs = [p.communicate(timeout=600) for p in procs]
+             for dtype in dtypes]
+    outs = [p.communicate(timeout=900) for p in procs]
     for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err
-    digests = {out.strip() for out, _ in outs}
-    assert len(digests) == 1, digests
+        assert p.returncode == 0, err[-3000:]
+    digests = [out.split()[0] for out, _ in outs]
+    assert digests[0] == digests[-1] and len(set(digests)) == len(CACHE_DTYPES), digests
     assert any((tmp_path / "cache").rglob("*.nbc")), "nothing was cached"
-    # a later process loads from that cache and computes the same bits
-    again = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
-                           text=True, timeout=600)
-    assert again.returncode == 0, again.stderr
-    assert again.stdout.strip() in digests
+    assert crossed_cache_entries(tmp_path / "cache") == []
+    for dtype, digest in zip(CACHE_DTYPES, digests):
+        again = subprocess.run([sys.executable, "-c", _CHILD, dtype], env=env,
+                               capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert again.stdout.split() == [digest, "0"], dtype
+
+
+def _compile_result(*args):
+    """What numba's cache stores for a kernel of signature ``args`` (its
+    ``CompileResult._reduce()``; only the signature matters here)."""
+    from numba.core.typing import signature
+    return (b"code", None, None, signature(types.void, *args), False, (), "", None, ())
+
+
+def test_cache_entries_of_processes_saving_at_once_never_cross(tmp_path):
+    """Two processes save two signatures of one kernel at once, each against the
+    index as it read it before the other's save, and the index written last is
+    the one whose data was written first. With numba's numbered data files both
+    pick the first number and the index names the other signature's code (the
+    harness checks it does); with the keyed files every entry the index names
+    loads its own signature (one lost to the stale index is a miss)."""
+    from numba.core import caching
+    from numba_fused._cache import KeyedDataCacheFile
+    sig_a = (types.int64, types.CPointer(types.int16), types.float32)
+    sig_b = (types.int64, types.CPointer(types.float32), types.float32)
+    key_a, key_b = ((sig, ("x86_64",), ("code", "")) for sig in (sig_a, sig_b))
+
+    def race(cls, path):
+        a, b = (cls(str(path), "cpu._kernel-10.py311", ("stamp",)) for _ in range(2))
+        path.mkdir()
+        stale = a._load_index()
+        deferred = []
+        a._save_data = lambda name, data: deferred.append((name, data))
+        b._load_index = lambda: dict(stale)         # b read the index before a wrote it
+        a.save(key_a, _compile_result(*sig_a))      # a: its index entry, data deferred
+        b.save(key_b, _compile_result(*sig_b))      # b: its data and its (stale) index
+        for name, data in deferred:                  # a's data last
+            cls._save_data(a, name, data)
+        reader = cls(str(path), "cpu._kernel-10.py311", ("stamp",))
+        loaded = {sig: reader.load(key) for sig, key in ((sig_a, key_a), (sig_b, key_b))}
+        return {sig: None if data is None else tuple(data[3].args)
+                for sig, data in loaded.items()}
+
+    numbered = race(caching.IndexDataCacheFile, tmp_path / "numbered")
+    assert any(got is not None and got != sig for sig, got in numbered.items()), numbered
+    keyed = race(KeyedDataCacheFile, tmp_path / "keyed")
+    assert all(got is None or got == sig for sig, got in keyed.items()), keyed
+    assert keyed[sig_b] == sig_b
 
 
 _STAMP_CHILD = textwrap.dedent("""
