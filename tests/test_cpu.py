@@ -856,13 +856,13 @@ def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
     rows match the reference."""
     x = draw(rng, (rows, cols), dtype, loc=0.5)
     edges = _chunk_edges(rows, lambda t: min(rows, t))
-    q = cols // 4
+    points = cpu.shift_points(cols)
     nan_rows = edges[::2]
     for r in nan_rows:
         x[r, cols // 3] = np.nan
     for r in edges[1::2]:               # outliers at the shift's sample points
         x[r] = (x[r].astype(np.float64) + 100.0).astype(dtype)
-        x[r, [0, q, 2 * q, 3 * q]] = x[r, [0, q, 2 * q, 3 * q]] + np.asarray(60.0, dtype)
+        x[r, points] = x[r, points] + np.asarray(60.0, dtype)
     w = draw_param(rng, cols, "x", dtype)
     b = draw_param(rng, cols, "x", dtype, loc=0.0)
     d = dict(x=x, weight=w, bias=b)
@@ -1050,9 +1050,9 @@ def test_layer_norm_shift_fallback(rng, dtype, shape, kind):
     cols = shape[-1]
     x = draw(rng, shape, dtype, loc=100.0, scale=1.0)
     x64 = x.astype(np.float64)
-    q = cols // 4
+    points = cpu.shift_points(cols)
     if kind == "outliers":
-        x64[:, [0, q, 2 * q, 3 * q]] += 60.0
+        x64[:, points] += 60.0
     elif kind == "sorted":
         x64 = np.sort(x64, axis=-1)
     else:
@@ -1060,7 +1060,7 @@ def test_layer_norm_shift_fallback(rng, dtype, shape, kind):
     x = x64.astype(dtype)
     if kind == "outliers" and cols >= 100:   # a case the one-pass sums really reject
         xd = x.astype(np.float64)
-        m0 = xd[:, [0, q, 2 * q, 3 * q]].mean(-1, keepdims=True)
+        m0 = xd[:, points].mean(-1, keepdims=True)
         assert np.all(((xd - m0) ** 2).mean(-1) > cpu.LN_SHIFT_COND * xd.var(-1))
     y, mean, rstd = nf.layer_norm_fwd(x, out=poisoned(shape, dtype))
     yr, mr, rr = ref.layer_norm_fwd(x, None, None)
@@ -1078,13 +1078,13 @@ def test_layer_norm_mean_of_a_centered_row(rng, dtype, cols):
     sum, within 8 eps * rms(x) / sqrt(n). The shifted form m0 + sum(x - m0)/n
     measured up to 37x that bound (m0's rounding)."""
     from numba_fused import cpu
-    q = cols // 4
+    points = cpu.shift_points(cols)
     x64 = rng.standard_normal((64, cols))
-    x64[:, [0, q, 2 * q, 3 * q]] = 1.5
+    x64[:, points] = 1.5
     x64 = x64 - x64.mean(-1, keepdims=True) + 1e-4
     x = x64.astype(dtype)
     xd = x.astype(np.float64)
-    m0 = xd[:, [0, q, 2 * q, 3 * q]].mean(-1, keepdims=True)
+    m0 = xd[:, points].mean(-1, keepdims=True)
     assert np.all(((xd - m0) ** 2).mean(-1) <= cpu.LN_SHIFT_COND * xd.var(-1))
     _, mean, _ = nf.layer_norm_fwd(x, out=poisoned(x.shape, dtype))
     _, mr, _ = ref.layer_norm_fwd(x, None, None)
@@ -1566,8 +1566,8 @@ def test_wide_fwd_bits_equal_row_path(rng, op, dtype, shape):
     rows, cols = shape
     x = draw(rng, shape, dtype, scale=2.0, loc=0.5)
     x[0, 0] = 300.0                # a sampled shift element: LayerNorm's second pass
-    row, q = x[0].astype(np.float64), cols // 4
-    m0 = row[[0, q, 2 * q, 3 * q]].mean()
+    row = x[0].astype(np.float64)
+    m0 = row[cpu.shift_points(cols)].mean()
     assert np.mean((row - m0) ** 2) > cpu.LN_SHIFT_COND * row.var()
     w = draw_param(rng, cols, "x", dtype)
     b = draw_param(rng, cols, "x", dtype, loc=0.0)
