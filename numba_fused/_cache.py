@@ -21,6 +21,7 @@ own test run).
 import contextlib
 import hashlib
 import os
+import pickle
 
 from numba.core import caching
 
@@ -108,9 +109,26 @@ class KeyedDataCacheFile(caching.IndexDataCacheFile):
         self._save_data(name, data)
         with self._index_lock():
             overloads = self._load_index()
+            if not overloads:
+                self._remove_stale_data(keep=name)
             if overloads.get(key) != name:
                 overloads[key] = name
                 self._save_index(overloads)
+
+    def _remove_stale_data(self, keep):
+        """Deletes the data files an index of other sources (or of numba's numbered
+        layout) names: no process of these sources loads them, and keyed names are
+        never reused by another version, so they would pile up with every edit or
+        upgrade (numba's numbers were overwritten instead)."""
+        try:
+            with open(self._index_path, "rb") as f:
+                pickle.load(f)
+                _, stale = pickle.loads(f.read())
+        except Exception:       # no index, or one numba cannot read: nothing named
+            return
+        for old in set(stale.values()) - {keep}:
+            with contextlib.suppress(OSError):
+                os.unlink(self._data_path(old))
 
     def load(self, key):
         data = super().load(key)

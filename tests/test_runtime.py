@@ -235,6 +235,28 @@ def test_cache_entries_of_processes_saving_at_once_never_cross(tmp_path):
     assert keyed[sig_b] == sig_b
 
 
+def test_cache_drops_the_data_of_other_sources(tmp_path):
+    """The first save after the sources changed deletes the data files the old
+    index named (keyed names are never reused, so they would pile up), whichever
+    layout wrote them; the other functions' files stay."""
+    from numba.core import caching
+    from numba_fused._cache import KeyedDataCacheFile
+    sig = (types.int64, types.CPointer(types.float32), types.float32)
+    key = (sig, ("x86_64",), ("code", ""))
+    base = "cpu._kernel-10.py311"
+    old = caching.IndexDataCacheFile(str(tmp_path), base, ("v0",))
+    old.save(key, _compile_result(*sig))
+    other = KeyedDataCacheFile(str(tmp_path), "cpu._other-20.py311", ("v1",))
+    other.save(key, _compile_result(*sig))
+    v1 = KeyedDataCacheFile(str(tmp_path), base, ("v1",))
+    v1.save(key, _compile_result(*sig))
+    v2 = KeyedDataCacheFile(str(tmp_path), base, ("v2",))
+    v2.save(key, _compile_result(*sig))
+    names = sorted(p.name for p in tmp_path.glob("*.nbc"))
+    assert names == sorted([v2.data_name(key), other.data_name(key)]), names
+    assert tuple(v2.load(key)[3].args) == sig and v1.load(key) is None
+
+
 _STAMP_CHILD = textwrap.dedent("""
     import numpy as np, numba_fused as nf
     from numba_fused import cpu
