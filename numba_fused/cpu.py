@@ -35,6 +35,7 @@ every thread count, no atomics.
 """
 import contextlib
 import operator
+import os
 import sys
 import threading
 import time
@@ -2548,6 +2549,43 @@ SMALL_BELOW = {name: _FLOORS[name] for name in SERIAL}
 _launch_lock = threading.Lock()
 _needs_lock = True   # until the first parallel launch shows which layer loaded
 _calibrated = False
+#: set in a child forked after this process ran parallel kernels on GNU OpenMP
+_forked_serial = False
+
+
+def _gnu_omp_running():
+    """Whether numba's threads are up on the omp layer with GNU OpenMP, which
+    cannot be used again in a forked child."""
+    from numba.np.ufunc import parallel
+    if not parallel._is_initialized:
+        return False
+    try:
+        if numba.threading_layer() != "omp":
+            return False        # tbb and workqueue survive a fork
+        from numba.np.ufunc import omppool
+    except (ValueError, ImportError):
+        return False
+    return getattr(omppool, "openmp_vendor", "GNU") == "GNU"
+
+
+def _after_fork_in_child():
+    """In a child forked from this process: every call runs the serial kernels
+    (the same bits) once the parent had numba's GNU OpenMP threads up. Why: numba
+    then ends such a child at its first parallel launch ("Terminating: fork()
+    called from a process already using GNU OpenMP, this is unsafe.", SIGTERM),
+    and a forked worker (multiprocessing, a torch DataLoader's workers) is the
+    common way to meet it; measured 2026-12-07, the omp layer with GNU OpenMP
+    (numba's choice where no tbb is installed). And the launch lock comes new: a
+    thread of the parent may have held it when it forked."""
+    global _launch_lock, _calibrated, _forked_serial
+    _launch_lock = threading.Lock()
+    if _gnu_omp_running():
+        _forked_serial = _calibrated = True
+        _serial_below.update(dict.fromkeys(_serial_below, sys.maxsize))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -2594,7 +2632,8 @@ def forced(parallel):
         if not _calibrated:
             _calibrate()
         saved = dict(_serial_below)
-        _serial_below.update(dict.fromkeys(saved, 0 if parallel else sys.maxsize))
+        serial = not parallel or _forked_serial      # see _after_fork_in_child
+        _serial_below.update(dict.fromkeys(saved, sys.maxsize if serial else 0))
     try:
         yield
     finally:

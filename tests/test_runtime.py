@@ -135,6 +135,49 @@ def test_eight_threads_first_small_calls_at_once():
     assert r.stdout.split() == ["ok", "48"]
 
 
+_FORK = textwrap.dedent("""
+    import hashlib, os, numpy as np, numba, numba_fused as nf
+    from numba_fused import cpu
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 1000)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    w = rng.standard_normal(1000).astype(np.float32)
+
+    def run():
+        y, mean, rstd = nf.layer_norm_fwd(x, w, w)
+        return hashlib.sha256(b"".join(a.tobytes() for a in (
+            y, mean, rstd, *nf.layer_norm_bwd(dy, x, w, w, mean, rstd)))).hexdigest()
+
+    with cpu.forced(True):
+        parent = run()                    # numba's threads are up from here
+    print(numba.threading_layer(), cpu._gnu_omp_running())
+    r, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        with cpu.forced(True):            # as warmup would: still serial here
+            os.write(wr, run().encode())
+        os._exit(0)
+    os.close(wr)
+    _, status = os.waitpid(pid, 0)
+    print(status, os.read(r, 64).decode() == parent)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_after_parallel_calls_runs_them_serially():
+    """A process runs parallel kernels, then forks (multiprocessing, a DataLoader's
+    workers): on numba's omp layer with GNU OpenMP numba would end the child at its
+    first parallel launch (SIGTERM). The child runs the serial kernels instead,
+    even under ``forced(True)``, and gets the parent's bits."""
+    r = subprocess.run([sys.executable, "-c", _FORK], capture_output=True, text=True,
+                       timeout=900, env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep
+                                             + os.environ.get("PYTHONPATH", "")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    (layer, gnu), (status, same) = (line.split() for line in r.stdout.splitlines())
+    assert status == "0", (layer, gnu, r.stderr[-3000:])
+    assert same == "True"
+
+
 _CHILD = textwrap.dedent("""
     import hashlib, sys, numpy as np, ml_dtypes, numba_fused as nf
     from numba_fused import cpu
