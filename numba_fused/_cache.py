@@ -141,9 +141,9 @@ class KeyedDataCacheFile(caching.IndexDataCacheFile):
 
 def _keyed_cache_init(self, py_func):
     _numba_cache_init(self, py_func)
-    if isinstance(self._impl.locator, _PackageStamp):
+    if isinstance(self._impl.locator, _PackageStamp):     # the stamp numba just took
         self._cache_file = KeyedDataCacheFile(self._cache_path, self._impl.filename_base,
-                                              self._impl.locator.get_source_stamp())
+                                              self._cache_file._source_stamp)
 
 
 _keyed_cache_init.keyed = True
