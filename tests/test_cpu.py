@@ -844,12 +844,14 @@ def test_softmax_fwd_long_rows(rng, restore_threads, dtype, blocks):
 
 
 @pytest.mark.parametrize("rows", [4, 13, 97])
-@pytest.mark.parametrize("cols", [1, 33, 1000, cpu.PAIR_BYTES // 2 + 37])
+@pytest.mark.parametrize("cols", [1, 33, 1000, 1500, cpu.PAIR_BYTES // 2 + 37])
 @pytest.mark.parametrize("op", ["rms_norm_fwd", "layer_norm_fwd"])
 @dtypes
 def test_norm_fwd_pipelined(rng, restore_threads, op, dtype, rows, cols):
     """The pipelined norm forwards (every shape; one chunk per thread; two rows at a
-    time from rows of cpu.PAIR_BYTES, two or three rows left at a chunk's end):
+    time from rows of cpu.PAIR_BYTES, two or three rows left at a chunk's end;
+    LayerNorm's float32/float64 rows a little shorter, 1500 columns and float64's
+    1000, one row's two passes after the other: cpu._ln_fwd_two_passes):
     NaN rows and rows that take LayerNorm's second statistics pass at the first,
     last and chunk-boundary positions (chunks of 1 row, one row at a time,
     included); bits independent of position, chunking and thread count; the other
@@ -894,6 +896,23 @@ def test_norm_fwd_pairs_rule(storage):
     assert paired(8, first, 0, 8) and paired(8, cpu.WIDE_COLS, 2, 6)
     assert not paired(8, first - 1, 0, 8)
     assert not paired(8, first, 0, 3) and not paired(8, first, 5, 8)
+
+
+@pytest.mark.parametrize("storage", [np.uint16, np.float32, np.float64])
+def test_layer_norm_fwd_two_passes_rule(storage):
+    """A LayerNorm forward takes its rows' two passes in turn (cpu._ln_fwd_two_passes)
+    on float32/float64 rows of more than LN_TWO_PASS_BYTES and under PAIR_BYTES;
+    the 1000 and 1500 columns of test_norm_fwd_pipelined straddle the floor in
+    float32, and all of float64's short rows are on this path at 1000 and 1500."""
+    size = np.dtype(storage).itemsize
+    two = numba.njit(lambda a: cpu._ln_fwd_two_passes(a))
+    at = lambda cols: two(np.empty((1, 1, cols), storage))   # noqa: E731
+    if size < 4:
+        assert not any(at(c) for c in (1000, 1500, 4096, 8191))
+        return
+    floor, ceiling = cpu.LN_TWO_PASS_BYTES // size, cpu.PAIR_BYTES // size
+    assert not at(floor) and at(floor + 1) and at(ceiling - 1) and not at(ceiling)
+    assert at(1500) and at(1000) == (size == 8)
 
 
 @pytest.mark.parametrize("op", ["rms_norm_fwd", "layer_norm_fwd"])
