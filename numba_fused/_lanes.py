@@ -422,6 +422,41 @@ def lanes_load_like(typingctx, arr, c, k, like):
     return like(arr, types.intp, types.intp, like), _load_codegen(like)
 
 
+#: ``stream_head`` realigns rows of this many bytes and more
+HEAD_MIN_BYTES = 1 << 11
+
+
+@intrinsic
+def stream_head(typingctx, s, c, n):
+    """The columns from c to the first 64-byte boundary of a streaming output row
+    ``s`` (a ``Stream`` that is on), at most n; 0 for a row that does not stream
+    (off, a data pointer, None). An elementwise store loop that stores these first
+    (a short block) has every later whole block on a cache line, where
+    ``lanes_store`` streams it: rows whose byte length is not a multiple of 64 (an
+    odd column count) start off a line, and lost every non-temporal store."""
+    if not isinstance(c, types.Integer) or not isinstance(n, types.Integer):
+        return None
+    if not isinstance(s, Stream):
+        if not (isinstance(s, types.NoneType) or _is_lanes_array(s)):
+            return None
+        return types.intp(s, c, n), lambda context, builder, sig, args: ir.Constant(
+            ir.IntType(64), 0)
+
+    def codegen(context, builder, sig, args):
+        data, on = _stream_fields(context, builder, sig.args[0], args[0])
+        i64 = ir.IntType(64)
+        size = context.get_abi_sizeof(context.get_data_type(sig.args[0].dtype))
+        c = context.cast(builder, args[1], sig.args[1], types.intp)
+        n = context.cast(builder, args[2], sig.args[2], types.intp)
+        addr = builder.ptrtoint(builder.gep(data, [c], inbounds=False), i64)
+        gap = builder.and_(builder.neg(addr), ir.Constant(i64, 63))
+        head = builder.udiv(gap, ir.Constant(i64, size))
+        head = builder.select(builder.icmp_signed('<', n, head), n, head)
+        long = builder.icmp_signed('>=', n, ir.Constant(i64, HEAD_MIN_BYTES // size))
+        return builder.select(builder.and_(on, long), head, ir.Constant(i64, 0))
+    return types.intp(s, c, n), codegen
+
+
 @intrinsic
 def lanes_store(typingctx, arr, c, v, k):
     """arr[c:c+k] = the first k lanes of v, rounded once to arr's storage type.

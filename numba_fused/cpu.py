@@ -54,7 +54,7 @@ from ._dtypes import acc, acc_numba_type, narrow, widen
 from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store, prefetch,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
 from ._lanes import data as _data
-from ._lanes import stream_parts, streaming
+from ._lanes import stream_head, stream_parts, streaming
 from ._vecmath import _fma, _fms, fexp_nonpos, fmax_skipnan
 
 # No fast-math flags anywhere. Elementwise loops (the stores) are compiled
@@ -535,8 +535,11 @@ def _scaled_store_at(scratch, f, y, c0, c1):
     _aligned_frame()
     like = wide_lanes_zeros(scratch)
     step = lanes_count(like)
-    n = c1 - c0
-    for c in range(c0, c1 - step + 1, step):
+    h = stream_head(y, c0, c1 - c0)
+    if h:
+        lanes_store(y, c0, lanes_load_like(scratch, c0, h, like) * f, h)
+    n = c1 - c0 - h
+    for c in range(c0 + h, c1 - step + 1, step):
         lanes_store(y, c, lanes_load_like(scratch, c, step, like) * f, step)
     if n % step:
         c, k = c1 - n % step, n % step
@@ -861,10 +864,13 @@ def _softmax_bwd_store_at(n, y, dy, dot, dx):
     """``_softmax_bwd_store`` on data pointers (see ``_lanes_fn``); dx may be dy."""
     _aligned_frame()
     step = lanes_count(lanes_zeros(y))
-    for c in range(0, n - step + 1, step):
+    h = stream_head(dx, 0, n)
+    if h:
+        _softmax_bwd_block(y, dy, dot, dx, 0, h)
+    for c in range(h, n - step + 1, step):
         _softmax_bwd_block(y, dy, dot, dx, c, step)
-    if n % step:
-        _softmax_bwd_block(y, dy, dot, dx, n - n % step, n % step)
+    if (n - h) % step:
+        _softmax_bwd_block(y, dy, dot, dx, n - (n - h) % step, (n - h) % step)
 
 
 def _softmax_bwd_pipelined(y):
@@ -1308,11 +1314,14 @@ def _layer_norm_store_at(n, x, weight, bias, mean, rstd, y):
     _aligned_frame()
     _no_alias_args("x weight bias")
     step = lanes_count(lanes_zeros(x))
-    for c in range(0, n - step + 1, step):
+    h = stream_head(y, 0, n)
+    if h:
+        lanes_store(y, 0, _vaffine((lanes_load(x, 0, h) - mean) * rstd, weight, bias, 0, h), h)
+    for c in range(h, n - step + 1, step):
         lanes_store(y, c, _vaffine((lanes_load(x, c, step) - mean) * rstd, weight, bias, c,
                                    step), step)
-    if n % step:
-        c, k = n - n % step, n % step
+    if (n - h) % step:
+        c, k = n - (n - h) % step, (n - h) % step
         lanes_store(y, c, _vaffine((lanes_load(x, c, k) - mean) * rstd, weight, bias, c, k), k)
 
 

@@ -547,9 +547,11 @@ def test_param_grad_buffers_are_not_reused_across_calls(rng):
 
 # ===================================================== non-temporal stores
 #: outputs of cpu.STREAM_BYTES and more: 1,024 and 4,096 columns (row pipeline and
-#: pairs), 1,000 (4,000-byte rows: every other row starts on a cache line)
+#: pairs), 1,000 (4,000-byte rows: every other row starts on a cache line), 3,001
+#: (rows start at every 4-byte offset in a line; the elementwise store loops store
+#: a head up to the line first: _lanes.stream_head)
 STREAM_CASES = [((4096, 1024), F32), ((4200, 1000), F32), ((1024, 4096), F32),
-                ((8192, 1024), BF16)]
+                ((1400, 3001), F32), ((8192, 1024), BF16)]
 
 
 @pytest.mark.parametrize("shape, dtype", STREAM_CASES,
@@ -557,10 +559,11 @@ STREAM_CASES = [((4096, 1024), F32), ((4200, 1000), F32), ((1024, 4096), F32),
 @pytest.mark.parametrize("op", OPS)
 def test_streamed_outputs_hold_the_bits_of_ordinary_stores(rng, op, shape, dtype):
     """Outputs of cpu.STREAM_BYTES and more go out in non-temporal stores where a
-    block starts on a cache line (``_lanes.streaming``); a buffer 16 bytes off the
-    line takes ordinary stores only. Both hold the same bits, right against the
-    reference, and nothing outside ``out`` is written. (The store itself, and its
-    ``vmovnt`` instructions: tests/test_lanes.py.)"""
+    block starts on a cache line (``_lanes.streaming``); in a buffer 16 bytes off
+    the line the pipelined stages take ordinary stores, and the elementwise store
+    loops (``_lanes.stream_head``) stream after a short head. Both hold the same
+    bits, right against the reference, and nothing outside ``out`` is written.
+    (The store itself, and its ``vmovnt`` instructions: tests/test_lanes.py.)"""
     d = _make_case(op, rng, shape, dtype)
     assert np.prod(shape) * np.dtype(dtype).itemsize >= cpu.STREAM_BYTES
     got = {}

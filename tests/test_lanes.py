@@ -194,6 +194,42 @@ def test_streamed_store_writes_what_the_store_writes(dtype):
     assert "vmovnt" in asm
 
 
+@njit(cache=False)
+def _head_of(dst, c, n, on, plain):
+    """``stream_head`` of ``streaming(dst, on)`` from column c, or of the plain
+    data pointer."""
+    if plain:
+        return L.stream_head(L.data(dst), c, n)
+    return L.stream_head(L.streaming(dst, on), c, n)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=dtype_id)
+def test_stream_head_reaches_the_next_cache_line(dtype):
+    """stream_head: the columns from c to the row's next 64-byte boundary, at most
+    n, for a streaming row of HEAD_MIN_BYTES or more; 0 for shorter rows, for rows
+    that do not stream and for plain pointers. Every offset of the row in a line;
+    the column it reaches is on the line."""
+    st = np.dtype(D.storage_dtype(dtype))
+    size = st.itemsize
+    n = 2 * L.HEAD_MIN_BYTES // size
+    seen = set()
+    for offset in range(0, 64, size):
+        _, dst = at_line_offset(n + 64, st, offset, 0)
+        for c in (0, 1, 7):
+            want = (-(dst.ctypes.data + c * size)) % 64 // size
+            h = _head_of(dst, c, n, True, False)
+            assert h == want and (dst.ctypes.data + (c + h) * size) % 64 == 0
+            seen.add(h)
+            assert _head_of(dst, c, min(want, 2), True, False) == 0     # short: none
+            assert _head_of(dst, c, n, False, False) == 0
+            assert _head_of(dst, c, n, True, True) == 0
+    assert seen == set(range(64 // size))
+    _, dst = at_line_offset(n + 64, st, size, 0)
+    short = L.HEAD_MIN_BYTES // size - 1
+    assert _head_of(dst, 0, short, True, False) == 0
+    assert _head_of(dst, 0, short + 1, True, False) == 64 // size - 1
+
+
 @pytest.mark.parametrize("half", [F16, BF16], ids=dtype_id)
 def test_block_narrow_matches_numpy_bits(half):
     """Vector rounding float32 -> float16/bfloat16, every class of value (the same
