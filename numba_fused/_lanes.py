@@ -422,24 +422,26 @@ def lanes_load_like(typingctx, arr, c, k, like):
     return like(arr, types.intp, types.intp, like), _load_codegen(like)
 
 
-#: ``stream_head`` realigns rows of this many bytes and more
+#: ``stream_head`` realigns rows of this many bytes and more (callers may ask for
+#: more)
 HEAD_MIN_BYTES = 1 << 11
 
 
 @intrinsic
-def stream_head(typingctx, s, c, n):
+def stream_head(typingctx, s, c, n, least):
     """The columns from c to the first 64-byte boundary of a streaming output row
-    ``s`` (a ``Stream`` that is on), at most n; 0 for a row that does not stream
-    (off, a data pointer, None). An elementwise store loop that stores these first
+    ``s`` (a ``Stream`` that is on) of n columns from c and ``least`` bytes or more
+    (HEAD_MIN_BYTES at least), at most n; 0 for a row that does not stream
+    (off, a data pointer, None), or a shorter one. An elementwise store loop that stores these first
     (a short block) has every later whole block on a cache line, where
     ``lanes_store`` streams it: rows whose byte length is not a multiple of 64 (an
     odd column count) start off a line, and lost every non-temporal store."""
-    if not isinstance(c, types.Integer) or not isinstance(n, types.Integer):
+    if not all(isinstance(a, types.Integer) for a in (c, n, least)):
         return None
     if not isinstance(s, Stream):
         if not (isinstance(s, types.NoneType) or _is_lanes_array(s)):
             return None
-        return types.intp(s, c, n), lambda context, builder, sig, args: ir.Constant(
+        return types.intp(s, c, n, least), lambda context, builder, sig, args: ir.Constant(
             ir.IntType(64), 0)
 
     def codegen(context, builder, sig, args):
@@ -452,9 +454,12 @@ def stream_head(typingctx, s, c, n):
         gap = builder.and_(builder.neg(addr), ir.Constant(i64, 63))
         head = builder.udiv(gap, ir.Constant(i64, size))
         head = builder.select(builder.icmp_signed('<', n, head), n, head)
-        long = builder.icmp_signed('>=', n, ir.Constant(i64, HEAD_MIN_BYTES // size))
+        least = context.cast(builder, args[3], sig.args[3], types.intp)
+        least = builder.select(builder.icmp_signed('<', least, ir.Constant(i64, HEAD_MIN_BYTES)),
+                               ir.Constant(i64, HEAD_MIN_BYTES), least)
+        long = builder.icmp_signed('>=', builder.mul(n, ir.Constant(i64, size)), least)
         return builder.select(builder.and_(on, long), head, ir.Constant(i64, 0))
-    return types.intp(s, c, n), codegen
+    return types.intp(s, c, n, least), codegen
 
 
 @intrinsic

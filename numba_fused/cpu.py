@@ -535,7 +535,7 @@ def _scaled_store_at(scratch, f, y, c0, c1):
     _aligned_frame()
     like = wide_lanes_zeros(scratch)
     step = lanes_count(like)
-    h = stream_head(y, c0, c1 - c0)
+    h = stream_head(y, c0, c1 - c0, 0)
     if h:
         lanes_store(y, c0, lanes_load_like(scratch, c0, h, like) * f, h)
     n = c1 - c0 - h
@@ -864,7 +864,7 @@ def _softmax_bwd_store_at(n, y, dy, dot, dx):
     """``_softmax_bwd_store`` on data pointers (see ``_lanes_fn``); dx may be dy."""
     _aligned_frame()
     step = lanes_count(lanes_zeros(y))
-    h = stream_head(dx, 0, n)
+    h = stream_head(dx, 0, n, 0)
     if h:
         _softmax_bwd_block(y, dy, dot, dx, 0, h)
     for c in range(h, n - step + 1, step):
@@ -931,19 +931,43 @@ def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero):
     return total
 
 
+#: the pipelined softmax backward realigns its streamed rows from this many bytes
+#: (``_softmax_bwd_stage_span``; the row path's elementwise store from
+#: _lanes.HEAD_MIN_BYTES)
+STAGE_HEAD_BYTES = 1 << 12
+
+
 @_row
 def _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0, c1):
+    """Columns c0..c1-1 of the stage. A streamed dxc that starts off a cache line
+    stores its first ``stream_head`` columns on their own and its whole blocks from
+    there, on lines (streamed), h columns ahead of the sums' blocks, which keep the
+    row's own (the same bits). ab.py --evict 64, AMD EPYC, 2026-12-07, float32:
+    4100x4097 1.15x, 330x50257 1.11x. Not the softmax forward's stage: its store
+    reads the row's exps from an aligned scratch row, which the shift splits
+    across lines (29000x577 0.80x, 16384x1000 0.96x); nor the norm backwards', whose
+    dweight/dbias partial rows it would split likewise (the row path's store, h
+    ahead: 0.52-0.78x at 197-769 columns). Rows of STAGE_HEAD_BYTES and more:
+    bfloat16 1025 columns ran 0.97x, 2049 1.05-1.07x, 4097 1.19x, 50257 1.27x;
+    float64 4097 and 50257 1.14-1.15x."""
     s = g = lanes_zeros(ya)
     step = lanes_count(s)
-    for c in range(c0, c1 - step + 1, step):
+    h = stream_head(dxc, c0, c1 - c0, STAGE_HEAD_BYTES)
+    if h:
+        _softmax_bwd_block(yc, dyc, dot, dxc, c0, h)
+    n = c1 - c0
+    whole = (n - h) // step
+    for c in range(c0, c0 + whole * step, step):
         _prefetch_halves(ya, c + PREFETCH_AHEAD)
         _prefetch_halves(dya, c + PREFETCH_AHEAD)
-        _softmax_bwd_block(yc, dyc, dot, dxc, c, step)
+        _softmax_bwd_block(yc, dyc, dot, dxc, h + c, step)
         s, g = _grad_sums_block(dya, None, ya, zero, s, g, c, step)
-    if (c1 - c0) % step:
-        c, k = c1 - (c1 - c0) % step, (c1 - c0) % step
-        _softmax_bwd_block(yc, dyc, dot, dxc, c, k)
-        s, g = _grad_sums_block(dya, None, ya, zero, s, g, c, k)
+    if n // step > whole:
+        s, g = _grad_sums_block(dya, None, ya, zero, s, g, c0 + whole * step, step)
+    if n % step:
+        s, g = _grad_sums_block(dya, None, ya, zero, s, g, c1 - n % step, n % step)
+    if (n - h) % step:
+        _softmax_bwd_block(yc, dyc, dot, dxc, c1 - (n - h) % step, (n - h) % step)
     return lanes_sum(s)
 
 
@@ -1314,7 +1338,7 @@ def _layer_norm_store_at(n, x, weight, bias, mean, rstd, y):
     _aligned_frame()
     _no_alias_args("x weight bias")
     step = lanes_count(lanes_zeros(x))
-    h = stream_head(y, 0, n)
+    h = stream_head(y, 0, n, 0)
     if h:
         lanes_store(y, 0, _vaffine((lanes_load(x, 0, h) - mean) * rstd, weight, bias, 0, h), h)
     for c in range(h, n - step + 1, step):

@@ -195,20 +195,20 @@ def test_streamed_store_writes_what_the_store_writes(dtype):
 
 
 @njit(cache=False)
-def _head_of(dst, c, n, on, plain):
+def _head_of(dst, c, n, on, plain, least=0):
     """``stream_head`` of ``streaming(dst, on)`` from column c, or of the plain
     data pointer."""
     if plain:
-        return L.stream_head(L.data(dst), c, n)
-    return L.stream_head(L.streaming(dst, on), c, n)
+        return L.stream_head(L.data(dst), c, n, least)
+    return L.stream_head(L.streaming(dst, on), c, n, least)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=dtype_id)
 def test_stream_head_reaches_the_next_cache_line(dtype):
     """stream_head: the columns from c to the row's next 64-byte boundary, at most
-    n, for a streaming row of HEAD_MIN_BYTES or more; 0 for shorter rows, for rows
-    that do not stream and for plain pointers. Every offset of the row in a line;
-    the column it reaches is on the line."""
+    n, for a streaming row of HEAD_MIN_BYTES (or the caller's larger ``least``) or
+    more; 0 for shorter rows, for rows that do not stream and for plain pointers.
+    Every offset of the row in a line; the column it reaches is on the line."""
     st = np.dtype(D.storage_dtype(dtype))
     size = st.itemsize
     n = 2 * L.HEAD_MIN_BYTES // size
@@ -228,6 +228,10 @@ def test_stream_head_reaches_the_next_cache_line(dtype):
     short = L.HEAD_MIN_BYTES // size - 1
     assert _head_of(dst, 0, short, True, False) == 0
     assert _head_of(dst, 0, short + 1, True, False) == 64 // size - 1
+    least = 2 * L.HEAD_MIN_BYTES
+    assert _head_of(dst, 0, least // size - 1, True, False, least) == 0
+    assert _head_of(dst, 0, least // size, True, False, least) == 64 // size - 1
+    assert _head_of(dst, 0, short + 1, True, False, 1) == 64 // size - 1
 
 
 @pytest.mark.parametrize("half", [F16, BF16], ids=dtype_id)
