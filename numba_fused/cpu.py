@@ -535,11 +535,8 @@ def _scaled_store_at(scratch, f, y, c0, c1):
     _aligned_frame()
     like = wide_lanes_zeros(scratch)
     step = lanes_count(like)
-    h = stream_head(y, c0, c1 - c0, 0)
-    if h:
-        lanes_store(y, c0, lanes_load_like(scratch, c0, h, like) * f, h)
-    n = c1 - c0 - h
-    for c in range(c0 + h, c1 - step + 1, step):
+    n = c1 - c0
+    for c in range(c0, c1 - step + 1, step):
         lanes_store(y, c, lanes_load_like(scratch, c, step, like) * f, step)
     if n % step:
         c, k = c1 - n % step, n % step
@@ -931,10 +928,10 @@ def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero):
     return total
 
 
-#: the pipelined softmax backward realigns its streamed rows from this many bytes
-#: (``_softmax_bwd_stage_span``; the row path's elementwise store from
-#: _lanes.HEAD_MIN_BYTES)
-STAGE_HEAD_BYTES = 1 << 12
+#: the pipelined softmax backward and RMSNorm forward realign their streamed rows
+#: from this many bytes (``_softmax_bwd_stage_span``, ``_rms_norm_fwd_stage_span``;
+#: the elementwise store loops from _lanes.HEAD_MIN_BYTES)
+STAGE_HEAD_BYTES = 3 << 10
 
 
 @_row
@@ -948,8 +945,8 @@ def _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0, c1):
     across lines (29000x577 0.80x, 16384x1000 0.96x); nor the norm backwards', whose
     dweight/dbias partial rows it would split likewise (the row path's store, h
     ahead: 0.52-0.78x at 197-769 columns). Rows of STAGE_HEAD_BYTES and more:
-    bfloat16 1025 columns ran 0.97x, 2049 1.05-1.07x, 4097 1.19x, 50257 1.27x;
-    float64 4097 and 50257 1.14-1.15x."""
+    bfloat16 1025 columns (2050 bytes) ran 0.97x, 2049 1.05-1.07x, 4097 1.19x,
+    50257 1.27x; float64 4097 and 50257 1.14-1.15x."""
     s = g = lanes_zeros(ya)
     step = lanes_count(s)
     h = stream_head(dxc, c0, c1 - c0, STAGE_HEAD_BYTES)
@@ -1013,22 +1010,70 @@ def _rms_norm_fwd_stage_at(n, xa, xc, weight, rstd, yc):
 
 @_row
 def _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, c1):
+    """Columns c0..c1-1 of the stage. A float32/float64 yc that streams and starts
+    off a cache line stores its first ``stream_head`` columns on their own and its
+    whole blocks from there, on lines (streamed), h columns ahead of the sums'
+    blocks, which keep the row's own (the same bits), for rows of STAGE_HEAD_BYTES
+    and more. ab.py --evict 64, AMD EPYC, 2026-12-07, float32: 1000 columns
+    1.28-1.43x (three runs), 1001 1.13x, 1500 1.21x, 2049 1.16x, 3001 1.10-1.13x,
+    769 0.99-1.14x, but 577 0.92-1.08x (so not under 3 KiB); float64 769 1.09x;
+    aligned rows 0.99-1.02x. Not float16/bfloat16 rows, bound by their arithmetic:
+    the misaligned ones gained nothing, and the aligned ones ran this loop
+    0.90-0.96x. Nor the LayerNorm forward's stage: 0.81-0.94x at 577-1001
+    columns, 1.21x at 1000, 0.92x aligned."""
     ss = lanes_zeros(xa)
     step = lanes_count(ss)
-    for c in range(c0, c1 - step + 1, step):
-        _prefetch_halves(xa, c + PREFETCH_AHEAD)
-        ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c, step)
-    if (c1 - c0) % step:
-        ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c1 - (c1 - c0) % step,
-                                 (c1 - c0) % step)
+    n = c1 - c0
+    if not _wide_store_dtype(yc):
+        for c in range(c0, c1 - step + 1, step):
+            _prefetch_halves(xa, c + PREFETCH_AHEAD)
+            ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c, step)
+        if n % step:
+            ss = _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c1 - n % step, n % step)
+        return lanes_sum(ss)
+    h = stream_head(yc, c0, n, STAGE_HEAD_BYTES)
+    if h:
+        _rms_norm_fwd_store(xc, weight, rstd, yc, c0, h)
+    whole = (n - h) // step
+    for c in range(c0, c0 + whole * step, step):
+        ss = _rms_norm_fwd_sum(xa, ss, c, step)
+        _rms_norm_fwd_store(xc, weight, rstd, yc, h + c, step)
+    if n // step > whole:
+        ss = _rms_norm_fwd_sum(xa, ss, c0 + whole * step, step)
+    if n % step:
+        ss = _rms_norm_fwd_sum(xa, ss, c1 - n % step, n % step)
+    if (n - h) % step:
+        _rms_norm_fwd_store(xc, weight, rstd, yc, c1 - (n - h) % step, (n - h) % step)
     return lanes_sum(ss)
+
+
+def _wide_store_dtype(row):
+    """Whether an output row (array, pointer or Stream) holds float32/float64."""
+    raise NotImplementedError
+
+
+@overload(_wide_store_dtype)
+def _wide_store_dtype_impl(row):
+    wide = getattr(row, "dtype", None) in (types.float32, types.float64)
+    return lambda row: wide
 
 
 @_row
 def _rms_norm_fwd_block(xa, xc, weight, rstd, yc, ss, c, k):
+    ss = _rms_norm_fwd_sum(xa, ss, c, k)     # xa's load first: nothing says yc is not xa
+    _rms_norm_fwd_store(xc, weight, rstd, yc, c, k)
+    return ss
+
+
+@_row
+def _rms_norm_fwd_sum(xa, ss, c, k):
     v = lanes_load(xa, c, k)          # zero-padded: the squares need no mask
-    lanes_store(yc, c, _vtimes(lanes_load(xc, c, k) * rstd, weight, c, k), k)
     return _fma(v, v, ss)
+
+
+@_row
+def _rms_norm_fwd_store(xc, weight, rstd, yc, c, k):
+    lanes_store(yc, c, _vtimes(lanes_load(xc, c, k) * rstd, weight, c, k), k)
 
 
 @_row
