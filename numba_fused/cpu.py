@@ -1310,9 +1310,14 @@ def _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, y
 @_row
 def _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, sm, ss, sd,
                           c, k):
-    y = _vaffine((lanes_load(xc, c, k) - mean) * rstd, weight, bias, c, k)
-    lanes_store(yc, c, y, k)
+    _layer_norm_fwd_store(xc, weight, bias, mean, rstd, yc, c, k)
     return _moments_block(xa, m0, inv_cols, sm, ss, sd, c, k)
+
+
+@_row
+def _layer_norm_fwd_store(xc, weight, bias, mean, rstd, yc, c, k):
+    """yc[c:c+k] = (xc - mean) * rstd * weight + bias (the last two by an FMA)."""
+    lanes_store(yc, c, _vaffine((lanes_load(xc, c, k) - mean) * rstd, weight, bias, c, k), k)
 
 
 @_row
@@ -1385,13 +1390,12 @@ def _layer_norm_store_at(n, x, weight, bias, mean, rstd, y):
     step = lanes_count(lanes_zeros(x))
     h = stream_head(y, 0, n, 0)
     if h:
-        lanes_store(y, 0, _vaffine((lanes_load(x, 0, h) - mean) * rstd, weight, bias, 0, h), h)
+        _layer_norm_fwd_store(x, weight, bias, mean, rstd, y, 0, h)
     for c in range(h, n - step + 1, step):
-        lanes_store(y, c, _vaffine((lanes_load(x, c, step) - mean) * rstd, weight, bias, c,
-                                   step), step)
+        _layer_norm_fwd_store(x, weight, bias, mean, rstd, y, c, step)
     if (n - h) % step:
-        c, k = n - (n - h) % step, (n - h) % step
-        lanes_store(y, c, _vaffine((lanes_load(x, c, k) - mean) * rstd, weight, bias, c, k), k)
+        _layer_norm_fwd_store(x, weight, bias, mean, rstd, y, n - (n - h) % step,
+                              (n - h) % step)
 
 
 @_long_rows_fn
