@@ -431,8 +431,8 @@ HEAD_MIN_BYTES = 1 << 11
 def stream_head(typingctx, s, c, n, least):
     """The columns from c to the first 64-byte boundary of a streaming output row
     ``s`` (a ``Stream`` that is on) whose n columns from c hold ``least`` bytes or
-    more (HEAD_MIN_BYTES at least), at most n; 0 for a row that does not stream
-    (off, a data pointer, None) or is shorter. A store loop that stores these
+    more (HEAD_MIN_BYTES at least, so the head, under 64 bytes, lies inside them);
+    0 for a row that does not stream (off, a data pointer, None) or is shorter. A store loop that stores these
     columns first (a short block) has every later whole block on a cache line,
     where ``lanes_store`` streams it: a row whose byte length is not a multiple of
     64 (an odd column count) starts off a line, and lost every non-temporal store."""
@@ -453,7 +453,6 @@ def stream_head(typingctx, s, c, n, least):
         addr = builder.ptrtoint(builder.gep(data, [c], inbounds=False), i64)
         gap = builder.and_(builder.neg(addr), ir.Constant(i64, 63))
         head = builder.udiv(gap, ir.Constant(i64, size))
-        head = builder.select(builder.icmp_signed('<', n, head), n, head)
         least = context.cast(builder, args[3], sig.args[3], types.intp)
         least = builder.select(builder.icmp_signed('<', least, ir.Constant(i64, HEAD_MIN_BYTES)),
                                ir.Constant(i64, HEAD_MIN_BYTES), least)
