@@ -19,16 +19,31 @@ two inputs that alias each other (dy and x of a backward) are not helped.
 (NumPy's large arrays start 16 bytes past one): the kernels write such outputs
 with non-temporal stores, which need whole, aligned cache lines (``cpu``).
 
-Outputs of POOL_MIN_BYTES and more come from ``POOL``, buffers of outputs that
-died, so a call that allocates its result costs what a call with ``out=`` does.
-glibc maps every allocation of 32 MiB or more afresh (its mmap threshold stops
-there) and unmaps it on free; the first touch of each fresh page then faults and
-the kernel zeroes it. Measured on the project's AMD EPYC VM (2026-12-06): 70-120
-us per MiB, against ~20 us per MiB for a kernel's whole pass; ``softmax_fwd`` of
-a 4096x4096 float32 array took 10.4-11.0 ms allocating its result and 4.9-6.4 ms
-with ``out=``. Under 32 MiB glibc reuses freed memory itself (no fault cost
-measured at 1-16 MiB).
+Outputs of POOL_MIN_BYTES (1 MiB) and more come from ``POOL``, buffers of
+outputs that died, so a call that allocates its result costs what a call with
+``out=`` does. glibc maps every allocation of 32 MiB or more afresh (its mmap
+threshold stops there) and unmaps it on free; the first touch of each fresh page
+then faults and the kernel zeroes it. Measured on the project's AMD EPYC VM
+(2026-12-06): 70-120 us per MiB, against ~20 us per MiB for a kernel's whole
+pass; ``softmax_fwd`` of a 4096x4096 float32 array took 10.4-11.0 ms allocating
+its result and 4.9-6.4 ms with ``out=``.
+
+Smaller blocks fault too, depending on what else is alive: glibc gives the top of
+its heap back to the OS once more than its trim threshold (twice the mmap
+threshold, which rises with the largest block freed) lies free there. A loop
+whose result dies before the next call reuses one block and never faults (the
+pool threshold was 32 MiB until 2026-12-07, from such loops); a training step
+keeps its forwards' outputs until their backwards and frees them together.
+``benchmarks/pool_ab.py``, AMD EPYC, 2026-12-07, float32, pooled from 1 MiB
+against from 32 MiB: four forwards kept, then their backwards, softmax
+256x1024-4096x1024 2.2-7.2x (layer_norm 3.4-3.9x in an earlier process, 0.93-1.00x
+in that one: glibc's state depends on the process's history); through
+``numba_fused.torch`` and ``torch.autograd.grad``, softmax 512x1024-4096x1024
+1.28-3.87x, rms_norm 512x1024 and 1024x1024 2.6-3.4x, bfloat16 softmax
+1.04-1.19x. Where nothing faulted, the pool's bookkeeping (~3 us an output)
+cost 0-10% at 1 MiB (0.86-1.04x), within noise from 4 MiB.
 """
+import bisect
 import math
 import os
 import threading
@@ -52,11 +67,19 @@ STREAM_BYTES = 1 << 24
 #: a cache line
 ALIGN = 64
 #: outputs of this many bytes or more come from POOL (module docstring)
-POOL_MIN_BYTES = 1 << 25
-#: pooled buffers are sized in steps of this (a huge page), and an idle buffer
-#: serves requests from 8/9 of its size less a step, so outputs of one shape
+POOL_MIN_BYTES = 1 << 20
+#: pooled buffers of POOL_LARGE_BYTES and more are sized in steps of POOL_STEP (a
+#: huge page), smaller ones in steps of POOL_FINE_STEP; an idle buffer serves
+#: requests from 8/9 of its size less a step (``Pool``), so outputs of one shape
 #: share buffers whatever padding their inputs ask for
 POOL_STEP = 1 << 21
+POOL_FINE_STEP = 1 << 16
+POOL_LARGE_BYTES = 1 << 25
+
+
+def pool_step(nbytes):
+    """The size step of a pooled buffer for a request of nbytes."""
+    return POOL_STEP if nbytes >= POOL_LARGE_BYTES else POOL_FINE_STEP
 
 
 def _default_limit():
@@ -127,12 +150,12 @@ class _Owner:
     the buffer back."""
     __slots__ = ("raw", "pool", "__array_interface__")
 
-    def __init__(self, raw, pool):
+    def __init__(self, raw, pool, interface):
         self.raw, self.pool = raw, pool
-        self.__array_interface__ = raw.__array_interface__
+        self.__array_interface__ = interface     # raw's, kept with it: 1 us a dict
 
     def __del__(self):
-        self.pool._give(self.raw)
+        self.pool._give(self.raw, self.__array_interface__)
 
 
 class Pool:
@@ -140,13 +163,17 @@ class Pool:
 
     ``take(n)`` returns a fresh 1-D uint8 array of at least n bytes. Its memory
     goes back to the pool when that array and every view of it (the outputs made
-    from it, tensors made with ``torch.from_numpy``) are gone. The pool holds at
-    most ``limit`` bytes of idle buffers and frees the oldest beyond that.
-    Thread-safe; ``release`` frees every idle buffer."""
+    from it, tensors made with ``torch.from_numpy``) are gone. An idle buffer of b
+    bytes serves a request of n bytes if n <= b <= n + n // 8 + step(n)
+    (``pool_step``): the smallest such size, and of those buffers the one given
+    back last, whose lines are the likeliest still in cache. The pool holds at most ``limit`` bytes of idle buffers and frees the oldest
+    beyond that. Thread-safe; ``release`` frees every idle buffer."""
 
     def __init__(self, limit):
         self.limit = limit
-        self._idle = []              # oldest first
+        self._idle = {}              # size -> [(age, buffer), ...], oldest first
+        self._sizes = []             # the keys of _idle, sorted
+        self._age = 0
         self._idle_bytes = 0
         self._reused = self._fresh = 0
         # reentrant: an owner may die, and give its buffer back, in the thread
@@ -158,40 +185,54 @@ class Pool:
         self._lock = threading.RLock()
 
     def take(self, nbytes):
+        step = pool_step(nbytes)
         raw = None
         with self._lock:
-            best = None
-            for i, b in enumerate(self._idle):
-                if nbytes <= b.nbytes <= nbytes + nbytes // 8 + POOL_STEP and (
-                        best is None or b.nbytes < self._idle[best].nbytes):
-                    best = i
-            if best is not None:
-                raw = self._idle.pop(best)
+            i = bisect.bisect_left(self._sizes, nbytes)
+            if i < len(self._sizes) and self._sizes[i] <= nbytes + nbytes // 8 + step:
+                size = self._sizes[i]
+                held = self._idle[size]
+                _, raw, interface = held.pop()
+                if not held:
+                    del self._idle[size]
+                    del self._sizes[i]
                 self._idle_bytes -= raw.nbytes
                 self._reused += 1
             else:
                 self._fresh += 1
         if raw is None:
-            raw = np.empty(-(-nbytes // POOL_STEP) * POOL_STEP, np.uint8)
-        return np.asarray(_Owner(raw, self))
+            raw = np.empty(-(-nbytes // step) * step, np.uint8)
+            interface = raw.__array_interface__
+        return np.asarray(_Owner(raw, self, interface))
 
-    def _give(self, raw):
+    def _give(self, raw, interface):
         with self._lock:
             if raw.nbytes > self.limit:
                 return
-            self._idle.append(raw)
+            held = self._idle.get(raw.nbytes)
+            if held is None:
+                held = self._idle[raw.nbytes] = []
+                bisect.insort(self._sizes, raw.nbytes)
+            self._age += 1
+            held.append((self._age, raw, interface))
             self._idle_bytes += raw.nbytes
             self._trim()
 
     def _trim(self):
         while self._idle_bytes > self.limit:
-            self._idle_bytes -= self._idle.pop(0).nbytes
+            size = min(self._sizes, key=lambda b: self._idle[b][0][0])     # the oldest
+            held = self._idle[size]
+            self._idle_bytes -= held.pop(0)[1].nbytes
+            if not held:
+                del self._idle[size]
+                self._sizes.remove(size)
 
     def release(self):
         """Free every idle buffer; returns the bytes freed."""
         with self._lock:
             n = self._idle_bytes
             self._idle.clear()
+            self._sizes.clear()
             self._idle_bytes = 0
         return n
 
@@ -206,8 +247,8 @@ class Pool:
     def info(self):
         with self._lock:
             return {"limit": self.limit, "idle_bytes": self._idle_bytes,
-                    "idle_buffers": len(self._idle), "reused": self._reused,
-                    "fresh": self._fresh}
+                    "idle_buffers": sum(len(h) for h in self._idle.values()),
+                    "reused": self._reused, "fresh": self._fresh}
 
 
 def _limit_arg(value, name):
@@ -237,7 +278,7 @@ if hasattr(os, "register_at_fork"):
 
 def set_pool_limit(nbytes):
     """Cap the bytes of idle output buffers numba_fused keeps for reuse (outputs of
-    32 MiB and more; default 1 GiB or an eighth of the machine's memory, whichever
+    1 MiB and more; default 1 GiB or an eighth of the machine's memory, whichever
     is less, or the environment's NUMBA_FUSED_POOL_BYTES); 0 keeps none. Frees
     idle buffers beyond the new cap now; returns the old cap."""
     return POOL.set_limit(nbytes)
@@ -262,7 +303,9 @@ def fresh(shape, dtype):
     nbytes = (math.prod(shape) if isinstance(shape, tuple) else int(shape)) * dtype.itemsize
     if nbytes < POOL_MIN_BYTES:
         return np.empty(shape, dtype)
-    return on_line(POOL.take(nbytes + ALIGN), shape, dtype)
+    buf = POOL.take(nbytes + ALIGN)
+    o = -_pooled_address(buf) % ALIGN
+    return buf[o:o + nbytes].view(dtype).reshape(shape)
 
 
 def on_line(buf, shape, dtype):
@@ -279,7 +322,30 @@ def output(like, inputs):
     has POOL_MIN_BYTES or more."""
     if like.nbytes < POOL_MIN_BYTES:
         return place(np.empty(like.shape, like.dtype), like, inputs)
-    return _carve(POOL.take(like.nbytes + padding(like, inputs)), like, like, inputs)
+    return pooled(like.nbytes, like, inputs).view(like.dtype).reshape(like.shape)
+
+
+def pooled(nbytes, like, inputs):
+    """nbytes (a uint8 array) of a POOL buffer for an output like ``like`` of an op
+    over ``inputs`` (NumPy arrays or CPU tensors): on a cache line and clear of
+    the inputs' aliases. A buffer with room for the padding (``clear_offset``)
+    only where the first one's line aliases an input: the padding, six windows
+    of 144 KiB for a 1 MiB output of 1024-column float32 rows and three inputs,
+    would be most of a small output's buffer."""
+    buf = POOL.take(nbytes + ALIGN)
+    address = _pooled_address(buf)
+    o = -address % ALIGN
+    if not aliases(address + o, like, inputs):
+        return buf[o:o + nbytes]
+    buf = POOL.take(nbytes + padding(like, inputs))
+    o = clear_offset(_pooled_address(buf), like, inputs)
+    return buf[o:o + nbytes]
+
+
+def _pooled_address(buf):
+    """The address of a buffer from ``Pool.take``, from its owner's interface
+    (``buf.ctypes.data`` makes a ctypes helper object: ~1.5 us)."""
+    return buf.base.__array_interface__["data"][0]
 
 
 def place(out, like, inputs):
@@ -303,7 +369,7 @@ def empty_like(like, *inputs):
     of an op over ``like`` and the other ``inputs``: ``np.empty`` placed where the
     kernels' stores into it do not alias their loads from the inputs on AMD Zen,
     64-byte aligned from 16 MiB (see ``numba_fused._alloc``). The outputs
-    numba_fused allocates itself are placed so already. From 32 MiB it comes
+    numba_fused allocates itself are placed so already. From 1 MiB it comes
     from the output pool (``set_pool_limit``)."""
     for name, a in [("like", like)] + [(f"inputs[{i}]", a) for i, a in enumerate(inputs)]:
         if not isinstance(a, np.ndarray):

@@ -143,16 +143,15 @@ class _Cuda:
 def _empty_out(x, *inputs):
     """A contiguous output like x (the fake impls promise contiguous outputs); on
     the CPU placed clear of the inputs' 2**28-byte aliases, 64-byte aligned from
-    16 MiB, and from 32 MiB out of the output pool (``numba_fused._alloc``)."""
+    16 MiB, and from 1 MiB out of the output pool (``numba_fused._alloc``)."""
     n = x.numel() * x.element_size()
     if x.is_cpu and n >= _alloc.POOL_MIN_BYTES:
-        buf = torch.from_numpy(_alloc.POOL.take(n + _alloc.padding(x, (x,) + inputs)))
-    else:
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)
-        if (not x.is_cpu or n < _alloc.PLACE_MIN_BYTES
-                or _alloc.placed(y.data_ptr(), n, x, (x,) + inputs)):
-            return y
-        buf = torch.empty(n + _alloc.padding(x, (x,) + inputs), dtype=torch.uint8)
+        return torch.from_numpy(_alloc.pooled(n, x, (x,) + inputs)).view(x.dtype).view(x.shape)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if (not x.is_cpu or n < _alloc.PLACE_MIN_BYTES
+            or _alloc.placed(y.data_ptr(), n, x, (x,) + inputs)):
+        return y
+    buf = torch.empty(n + _alloc.padding(x, (x,) + inputs), dtype=torch.uint8)
     o = _alloc.clear_offset(buf.data_ptr(), x, (x,) + inputs)
     return buf[o:o + n].view(x.dtype).view(x.shape)
 

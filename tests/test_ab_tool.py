@@ -47,3 +47,31 @@ def test_ab_evict_option():
     assert len(timed_rows(r.stdout)) == 1
     r = ab("--evict", "-1", timeout=120)
     assert r.returncode == 2 and "--evict" in r.stderr
+
+
+def test_pool_ab_times_each_pattern_at_each_threshold_and_restores_it():
+    """benchmarks/pool_ab.py: one row per shape, op and pattern, a time per
+    POOL_MIN_BYTES value and the ratios to the first; run in-process, it leaves
+    the library's threshold as it found it."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import pool_ab
+    finally:
+        sys.path.pop(0)
+    import contextlib
+    import io
+    from numba_fused import _alloc
+    before = _alloc.POOL_MIN_BYTES
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        pool_ab.main(["--from", f"{1 << 25},{1 << 12},{1 << 14}", "--shapes", "8x256",
+                      "--ops", "softmax,layer_norm", "--rounds", "2", "--elements", "1e4",
+                      "--no-torch"])
+    assert _alloc.POOL_MIN_BYTES == before
+    rows = [l.split() for l in out.getvalue().splitlines()[1:]]
+    assert [r[:3] for r in rows] == [["8x256", op, pat] for op in ("softmax", "layer_norm")
+                                    for pat in ("fb", "step4")]
+    for r in rows:
+        times = [float(v) for v in r[3:8:2]]         # "t1 / t2 / t3"
+        assert r[4] == r[6] == "/" and all(t > 0 for t in times)
+        assert len(r) == 10 and all(v.endswith("x") for v in r[8:])

@@ -101,19 +101,77 @@ def test_public_functions_act_on_the_pool(pool):
     assert a.ctypes.data % 64 == 0 and pool.info()["fresh"] == 1
     del a
     assert nf.pool_info()["idle_buffers"] == 1
-    assert nf.release_pool() == 2 * MIB
+    assert nf.release_pool() == MIB + _alloc.POOL_FINE_STEP     # 1 MiB + a line, in steps
     assert nf.set_pool_limit(0) == 1 << 30 and nf.pool_info()["limit"] == 0
 
 
 def test_take_picks_the_smallest_idle_buffer_that_fits(pool):
+    """An idle buffer of b bytes serves n bytes where n <= b <= n + n // 8 + step:
+    64 KiB steps under 32 MiB, 2 MiB (a huge page) from there."""
     big, small = pool.take(8 * MIB), pool.take(4 * MIB)
     del big, small
-    a = pool.take(3 * MIB)
-    assert a.nbytes == 4 * MIB                        # one step above: shared
-    b = pool.take(3 * MIB)
-    assert b.nbytes == 4 * MIB                        # 8 MiB is too big: fresh
+    a = pool.take(3 * MIB + 3 * MIB // 4)             # 3.75 MiB: 4 MiB is within 1/8 + a step
+    assert a.nbytes == 4 * MIB
+    b = pool.take(3 * MIB + 3 * MIB // 4)             # 8 MiB is too big: fresh, in 64 KiB steps
+    assert b.nbytes == 3 * MIB + 3 * MIB // 4
+    c = pool.take(MIB + 1)
+    assert c.nbytes == MIB + _alloc.POOL_FINE_STEP
     assert pool.info() == {"limit": 1 << 30, "idle_bytes": 8 * MIB, "idle_buffers": 1,
-                           "reused": 1, "fresh": 3}
+                           "reused": 1, "fresh": 4}
+    large = pool.take(40 * MIB)
+    assert large.nbytes == 40 * MIB
+    del large
+    assert pool.take(36 * MIB).nbytes == 40 * MIB     # 36 + 4.5 + 2 >= 40: shared
+    assert pool.take(33 * MIB).nbytes == 34 * MIB     # fresh, in 2 MiB steps
+
+
+def _address(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_take_prefers_the_buffer_given_back_last(pool):
+    """Of the idle buffers of one size, the one given back last (the likeliest
+    still in cache)."""
+    first, second = pool.take(MIB), pool.take(MIB)
+    a1, a2 = _address(first), _address(second)
+    del first
+    del second
+    last, again = pool.take(MIB), pool.take(MIB)
+    assert _address(last) == a2 and _address(again) == a1 and pool.info()["reused"] == 2
+
+
+def test_the_pool_frees_the_oldest_idle_buffers_beyond_its_limit(pool):
+    pool.set_limit(2 * MIB + MIB // 2)
+    bufs = [pool.take(MIB) for _ in range(3)]
+    addresses = [_address(b) for b in bufs]
+    for i in range(3):
+        bufs[i] = None                                # given back in order: 0, 1, 2
+    info = pool.info()
+    assert info["idle_buffers"] == 2 and info["idle_bytes"] == 2 * MIB
+    kept = pool.take(MIB), pool.take(MIB)
+    assert [_address(b) for b in kept] == [addresses[2], addresses[1]]   # 0 was freed
+    assert pool.info()["reused"] == 2 and pool.info()["fresh"] == 3
+
+
+def test_a_pooled_output_whose_line_would_alias_an_input_takes_a_padded_buffer(pool,
+                                                                               monkeypatch):
+    """``_alloc.pooled`` takes a buffer of the output's size first and keeps it where
+    its cache line aliases no input; otherwise it gives it back and takes one with
+    room to move the output clear (``padding``, ``clear_offset``)."""
+    x = np.ones((64, 1024), np.float32)
+    calls, real = [], _alloc.aliases
+
+    def aliases(address, like, inputs):
+        calls.append(address)
+        return len(calls) == 1                        # the first buffer's line aliases
+    monkeypatch.setattr(_alloc, "aliases", aliases)
+    y = nf.softmax_fwd(x)
+    assert pool.info()["fresh"] == 2 and pool.info()["idle_buffers"] == 1
+    assert y.base.nbytes >= y.nbytes + _alloc.padding(x, (x,))
+    assert y.ctypes.data % 64 == 0 and np.all(y == 2.0 ** -10)
+    monkeypatch.setattr(_alloc, "aliases", real)
+    z = nf.softmax_fwd(x)                             # clear at once: the unpadded buffer
+    assert z.base.nbytes < z.nbytes + _alloc.padding(x, (x,)) and pool.info()["reused"] == 1
 
 
 @pytest.mark.parametrize("bad, exc", [(-1, ValueError), (1.5, TypeError), ("1", TypeError),
@@ -132,7 +190,7 @@ def test_pool_limit_from_the_environment(value, expect):
     assert expect in (r.stdout if expect.isdigit() else r.stderr), (r.stdout, r.stderr)
 
 
-def test_real_threshold_pools_outputs_from_32_mib(monkeypatch):
+def test_real_threshold_pools_outputs_from_1_mib(monkeypatch):
     p = _alloc.Pool(1 << 30)
     monkeypatch.setattr(_alloc, "POOL", p)
     rows = _alloc.POOL_MIN_BYTES // 4096
@@ -141,6 +199,19 @@ def test_real_threshold_pools_outputs_from_32_mib(monkeypatch):
     at = nf.softmax_fwd(np.ones((rows, 1024), np.float32))
     assert p.info()["fresh"] == 1 and at.ctypes.data % 64 == 0
     assert np.all(at == 2.0 ** -10) and np.all(below == 2.0 ** -10)
+
+
+def test_real_threshold_pools_torch_outputs_from_1_mib(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import numba_fused.torch as nft
+    p = _alloc.Pool(1 << 30)
+    monkeypatch.setattr(_alloc, "POOL", p)
+    rows = _alloc.POOL_MIN_BYTES // 4096
+    below = nft.softmax(torch.ones(rows - 1, 1024))
+    assert p.info()["fresh"] == 0
+    at = nft.softmax(torch.ones(rows, 1024, dtype=torch.bfloat16).float())
+    assert p.info()["fresh"] == 1 and at.data_ptr() % 64 == 0 and at.is_contiguous()
+    assert bool((at == 2.0 ** -10).all()) and bool((below == 2.0 ** -10).all())
 
 
 def test_concurrent_threads_never_share_a_live_buffer(pool):
