@@ -23,6 +23,7 @@ their backwards, and frees them together:
   depend on the setting.
 """
 import argparse
+import importlib.util
 import time
 
 import numpy as np
@@ -90,13 +91,7 @@ def main(argv=None):
     from numba_fused import _dtypes as D
     sizes = [int(s) for s in a.sizes.split(",")]
     dt = D.as_dtype(a.dtype)
-    try:
-        if a.no_torch:
-            raise ImportError
-        import torch  # noqa: F401
-        with_torch = True
-    except ImportError:
-        with_torch = False
+    with_torch = not a.no_torch and importlib.util.find_spec("torch") is not None
     rng = np.random.default_rng(0)
     saved = _alloc.POOL_MIN_BYTES
     print(f"median us per repetition, POOL_MIN_BYTES = {' / '.join(map(str, sizes))}; "
