@@ -153,6 +153,29 @@ def test_the_pool_frees_the_oldest_idle_buffers_beyond_its_limit(pool):
     assert pool.info()["reused"] == 2 and pool.info()["fresh"] == 3
 
 
+def test_the_pool_keeps_its_books_through_random_takes_and_gives(pool):
+    """Random sizes taken, kept a while and dropped under a small limit: the idle
+    bytes and buffers always match what is held, sizes stay sorted, nothing live
+    is ever handed out twice, and a release empties it all."""
+    pool.set_limit(6 * MIB)
+    rng = np.random.default_rng(7)
+    live = []
+    for i in range(400):
+        n = int(rng.choice([MIB, MIB + 5000, 2 * MIB, 3 * MIB + 1, 40 * MIB]))
+        live.append(pool.take(n))
+        live[-1][::4096] = i % 251
+        if len(live) > 3 or rng.random() < 0.3:
+            live.pop(int(rng.integers(len(live))))
+        for j, a in enumerate(live):
+            assert all(np.shares_memory(a, b) is False for b in live[j + 1:])
+        held = [e for h in pool._idle.values() for e in h]
+        assert pool.info()["idle_bytes"] == sum(e[1].nbytes for e in held) <= 6 * MIB
+        assert pool.info()["idle_buffers"] == len(held) == len(pool._ages)
+        assert pool._sizes == sorted(pool._idle) and all(pool._idle.values())
+    del live
+    assert pool.release() > 0 and pool.info()["idle_buffers"] == 0 and not pool._ages
+
+
 def test_a_pooled_output_whose_line_would_alias_an_input_takes_a_padded_buffer(pool,
                                                                                monkeypatch):
     """``_alloc.pooled`` takes a buffer of the output's size first and keeps it where
