@@ -31,17 +31,21 @@ its result and 4.9-6.4 ms with ``out=``.
 Smaller blocks fault too, depending on what else is alive: glibc gives the top of
 its heap back to the OS once more than its trim threshold (twice the mmap
 threshold, which rises with the largest block freed) lies free there. A loop
-whose result dies before the next call reuses one block and never faults (the
-pool threshold was 32 MiB until 2026-12-07, from such loops); a training step
-keeps its forwards' outputs until their backwards and frees them together.
+with one result alive at a time reuses one block and did not fault (the pool
+threshold was 32 MiB until 2026-12-07, measured so); a forward's y alive during
+its backward's dx did at 16 MiB (softmax fwd+bwd 2.9-3.1x pooled), and a
+training step keeps its forwards' outputs until their backwards and frees them
+together.
 ``benchmarks/pool_ab.py``, AMD EPYC, 2026-12-07, float32, pooled from 1 MiB
-against from 32 MiB: four forwards kept, then their backwards, softmax
-256x1024-4096x1024 2.2-7.2x (layer_norm 3.4-3.9x in an earlier process, 0.93-1.00x
-in that one: glibc's state depends on the process's history); through
-``numba_fused.torch`` and ``torch.autograd.grad``, softmax 512x1024-4096x1024
-1.28-3.87x, rms_norm 512x1024 and 1024x1024 2.6-3.4x, bfloat16 softmax
-1.04-1.19x. Where nothing faulted, the pool's bookkeeping (~3 us an output)
-cost 0-10% at 1 MiB (0.86-1.04x), within noise from 4 MiB.
+against from 32 MiB, two processes: four forwards kept, then their backwards,
+softmax 2.2-7.6x at 1-16 MiB (one cell of eight even), rms_norm 4.3x at 4 MiB in
+one process (0.94-1.04x elsewhere; layer_norm 0.93-1.06x, 2.3-3.9x in an earlier
+process: glibc's state depends on the process's history); through
+``numba_fused.torch`` and ``torch.autograd.grad``, softmax 1.3-4.0x and rms_norm
+2.6-5.6x where glibc faulted (2-16 MiB); bfloat16 softmax 2.0-3.9x (four kept)
+and 1.0-1.2x (torch) at 2-8 MiB. Where nothing faulted, the pool's bookkeeping
+(3-4 us an output) cost up to 10% at 1 MiB (0.89-1.02x), noise beyond (0.93-1.11x;
+torch's own ops, which the setting does not touch, moved 0.89-1.06x).
 """
 import bisect
 import collections
