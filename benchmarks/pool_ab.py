@@ -68,7 +68,8 @@ def _torch_patterns(op, x, g, w, b):
         theirs = lambda: torch.autograd.grad(                                       # noqa: E731
             torch.nn.functional.rms_norm(xt, (n,), wt, 1e-6), (xt, wt), gt)
     else:
-        ours = lambda: torch.autograd.grad(nft.layer_norm(xt, wt, bt), (xt, wt, bt), gt)  # noqa: E731
+        ours = lambda: torch.autograd.grad(                                       # noqa: E731
+            nft.layer_norm(xt, wt, bt), (xt, wt, bt), gt)
         theirs = lambda: torch.autograd.grad(                                       # noqa: E731
             torch.nn.functional.layer_norm(xt, (n,), wt, bt), (xt, wt, bt), gt)
     return {"torch": ours, "torch's own": theirs}

@@ -171,8 +171,9 @@ class Pool:
     from it, tensors made with ``torch.from_numpy``) are gone. An idle buffer of b
     bytes serves a request of n bytes if n <= b <= n + n // 8 + step(n)
     (``pool_step``): the smallest such size, and of those buffers the one given
-    back last, whose lines are the likeliest still in cache. The pool holds at most ``limit`` bytes of idle buffers and frees the oldest
-    beyond that. Thread-safe; ``release`` frees every idle buffer."""
+    back last, whose lines are the likeliest still in cache. The pool holds at
+    most ``limit`` bytes of idle buffers and frees the oldest beyond that.
+    Thread-safe; ``release`` frees every idle buffer."""
 
     def __init__(self, limit):
         self.limit = limit
