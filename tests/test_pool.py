@@ -163,7 +163,6 @@ def test_the_pool_keeps_its_books_through_random_takes_and_gives(pool):
     for i in range(400):
         n = int(rng.choice([MIB, MIB + 5000, 2 * MIB, 3 * MIB + 1, 40 * MIB]))
         live.append(pool.take(n))
-        live[-1][::4096] = i % 251
         if len(live) > 3 or rng.random() < 0.3:
             live.pop(int(rng.integers(len(live))))
         for j, a in enumerate(live):
@@ -232,7 +231,7 @@ def test_real_threshold_pools_torch_outputs_from_1_mib(monkeypatch):
     rows = _alloc.POOL_MIN_BYTES // 4096
     below = nft.softmax(torch.ones(rows - 1, 1024))
     assert p.info()["fresh"] == 0
-    at = nft.softmax(torch.ones(rows, 1024, dtype=torch.bfloat16).float())
+    at = nft.softmax(torch.ones(rows, 1024))
     assert p.info()["fresh"] == 1 and at.data_ptr() % 64 == 0 and at.is_contiguous()
     assert bool((at == 2.0 ** -10).all()) and bool((below == 2.0 ** -10).all())
 
