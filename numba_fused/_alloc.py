@@ -38,13 +38,14 @@ training step keeps its forwards' outputs until their backwards and frees them
 together.
 ``benchmarks/pool_ab.py``, AMD EPYC, 2026-12-07, float32, pooled from 1 MiB
 against from 32 MiB, two processes: four forwards kept, then their backwards,
-softmax 2.2-7.6x at 1-16 MiB (one cell of eight even), rms_norm 4.3x at 4 MiB in
+softmax 2.2-7.6x at 1-16 MiB (one cell of nine even), rms_norm 4.3x at 4 MiB in
 one process (0.94-1.04x elsewhere; layer_norm 0.93-1.06x, 2.3-3.9x in an earlier
 process: glibc's state depends on the process's history); through
 ``numba_fused.torch`` and ``torch.autograd.grad``, softmax 1.3-4.0x and rms_norm
 2.6-5.6x where glibc faulted (2-16 MiB); bfloat16 softmax 2.0-3.9x (four kept)
 and 1.0-1.2x (torch) at 2-8 MiB. Where nothing faulted, the pool's bookkeeping
-(3-4 us an output) cost up to 10% at 1 MiB (0.89-1.02x), noise beyond (0.93-1.11x;
+(3-4 us an output) cost up to 10% at 1 MiB (0.90-1.02x; the torch path
+0.86-0.96x before it made one tensor of a buffer), noise beyond (0.93-1.11x;
 torch's own ops, which the setting does not touch, moved 0.89-1.06x).
 """
 import bisect
