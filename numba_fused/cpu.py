@@ -870,35 +870,45 @@ def _softmax_bwd_store_at(n, y, dy, dot, dx):
         _softmax_bwd_block(y, dy, dot, dx, n - (n - h) % step, (n - h) % step)
 
 
-def _softmax_bwd_pipelined(y):
+def _softmax_bwd_pipelined(y, shared):
     raise NotImplementedError
 
 
 @overload(_softmax_bwd_pipelined)
-def _softmax_bwd_pipelined_impl(y):
+def _softmax_bwd_pipelined_impl(y, shared):
     """Whether a softmax backward runs its rows pipelined: float32/float64 rows of
-    SOFTMAX_BWD_PIPELINE_BYTES or more, and every float16/bfloat16 row; other rows
-    take their two passes in turn. Row path
-    against pipelined, ab.py, AMD EPYC, 2026-12-05, float32 from memory: 256-2048
-    columns 1.04-1.31x (65536x1024 1.08-1.12x), 4096 columns 0.95-1.01x, 16384
-    0.98x; in cache 1.04-1.23x. bfloat16: 1.02-1.15x from memory but 0.90-0.98x in
-    cache, so not there."""
+    SOFTMAX_BWD_PIPELINE_BYTES or more in a call that runs on more than one thread
+    (``shared``) or rows of WIDE_COLS and more, and every float16/bfloat16 row;
+    other rows take their two passes in turn. Row path against pipelined, ab.py,
+    AMD EPYC, 2026-12-05, float32 from memory: 256-2048 columns 1.04-1.31x
+    (65536x1024 1.08-1.12x), 4096 columns 0.95-1.01x, 16384 0.98x; in cache
+    1.04-1.23x. bfloat16: 1.02-1.15x from memory but 0.90-0.98x in cache, so not
+    there.
+
+    One thread since 2026-12-07: a core on its own kept fewer lines in flight
+    through the stage (two streams from memory, two from L2 and a streamed store
+    in one loop) than through a row's two passes, so on one thread the row path
+    ran float32 4096x4096 1.15x, 2048x8192 1.18x, 1024x16384 1.23x, 512x32000
+    1.26x, 330x50257 1.15x from memory (ab.py --evict 64, NUMBA_NUM_THREADS=1),
+    where on two it ran 0.94-1.01x; so not the rows of WIDE_COLS and more either,
+    which the row path ran 0.90-0.94x in cache (float64 16x65536, two threads)."""
     if y.dtype in (types.float32, types.float64):
         floor = SOFTMAX_BWD_PIPELINE_BYTES // (y.dtype.bitwidth // 8)
-        return lambda y: y.shape[2] >= floor
-    return lambda y: True
+        return lambda y, shared: y.shape[2] >= floor and (shared or y.shape[2] >= WIDE_COLS)
+    return lambda y, shared: True
 
 
 @_row
-def _softmax_bwd_rows(y, dy, dx, lo, hi):
-    """dx = y * (dy - sum(dy * y)) for rows lo..hi-1: each row's sum, then its
+def _softmax_bwd_rows(y, dy, dx, lo, hi, shared):
+    """dx = y * (dy - sum(dy * y)) for rows lo..hi-1 (``shared``: of a call on
+    more than one thread): each row's sum, then its
     store (``_softmax_bwd_pipelined`` false), or software-pipelined as the norm
     forwards: one pass stores row r (in cache) and takes the sum of row r + 1
     (from memory); row lo's sum and row hi-1's store are passes of their own, with
     the stage's lanes and operations (a row's bits do not depend on lo and hi, nor
     on the path)."""
     stream = _streams(dx)
-    if not _softmax_bwd_pipelined(y):
+    if not _softmax_bwd_pipelined(y, shared):
         for r in range(lo, hi):
             yr, dyr = _row_at(y, r), _row_at(dy, r)
             _softmax_bwd_store(yr, dyr, _softmax_bwd_dot(yr, dyr), _row_at(dx, r), stream)
@@ -2424,7 +2434,8 @@ def _build(loop):
         for k in loop(chunks):
             frame = _frame_on_page()
             _wide_for_halves(y)
-            _softmax_bwd_rows(y, dy, dx, k * rows // chunks, (k + 1) * rows // chunks)
+            _softmax_bwd_rows(y, dy, dx, k * rows // chunks, (k + 1) * rows // chunks,
+                              chunks > 1)
             _frame_back(frame)
 
     @njit(**opts)

@@ -939,16 +939,19 @@ def test_norm_fwd_pairs_long_rows(rng, op, dtype):
 @dtypes
 def test_softmax_bwd_pipelined(rng, restore_threads, dtype, rows, cols):
     """The softmax backward on both its paths (cpu._softmax_bwd_pipelined: rows in
-    turn for float32/float64 rows under cpu.SOFTMAX_BWD_PIPELINE_BYTES, else pipelined, one
-    chunk per thread, chunks of one row included): NaN rows at the first, last and
-    chunk-boundary positions stay in their rows; bits independent of position,
-    chunking and thread count, and the same in place; the other rows match the
-    reference."""
+    turn for float32/float64 rows under cpu.SOFTMAX_BWD_PIPELINE_BYTES or on one
+    thread, else pipelined, one chunk per thread, chunks of one row included): NaN
+    rows at the first, last and chunk-boundary positions stay in their rows; bits
+    independent of position, chunking, thread count and so of the path, and the
+    same in place; the other rows match the reference."""
     from numba_fused import _dtypes as D
-    pipelined = numba.njit(lambda a: cpu._softmax_bwd_pipelined(a))
-    storage = np.empty((1, 1, cols), _storage(dtype))
-    rule = is_half(dtype) or cols * np.dtype(dtype).itemsize >= cpu.SOFTMAX_BWD_PIPELINE_BYTES
-    assert pipelined(storage) == rule
+    pipelined = numba.njit(lambda a, shared: cpu._softmax_bwd_pipelined(a, shared))
+    for c in (cols, cpu.WIDE_COLS):
+        storage = np.empty((1, 1, c), _storage(dtype))
+        for shared in (False, True):
+            long_rows = c * np.dtype(dtype).itemsize >= cpu.SOFTMAX_BWD_PIPELINE_BYTES
+            rule = is_half(dtype) or long_rows and (shared or c >= cpu.WIDE_COLS)
+            assert pipelined(storage, shared) == rule, (c, shared)
     assert cpu.SOFTMAX_BWD_PIPELINE_BYTES == 1 << 14  # 1000 and 4111 columns straddle it
     y = nf.softmax_fwd(draw(rng, (rows, cols), dtype, scale=2.0))
     dy = draw(rng, (rows, cols), dtype)
