@@ -2106,12 +2106,12 @@ HALF_BWD_PIPELINE_COLS = 1 << 7
 SOFTMAX_BWD_PIPELINE_BYTES = 1 << 14
 
 
-def _rows_pipelined(x):
+def _rows_pipelined(x, shared):
     raise NotImplementedError
 
 
 @overload(_rows_pipelined)
-def _rows_pipelined_impl(x):
+def _rows_pipelined_impl(x, shared):
     """Whether a norm backward runs its rows pipelined (``_norm_bwd_rows``) rather
     than one row's two passes after the other (``_norm_bwd_two_passes``): float32/float64
     rows of BWD_PIPELINE_BYTES or more, float16/bfloat16 rows of
@@ -2143,12 +2143,17 @@ def _rows_pipelined_impl(x):
     there. bfloat16 1024 columns 1.07-1.46x (65536x1024, 32768x1024), in cache
     1.06-1.32x; 512 columns 1.01-1.42x, in cache 1.06-1.11x; 256 and 128
     columns from memory layer_norm 0.98-1.02x, rms_norm 1.11-1.16x, in cache
-    1.07-1.13x."""
+    1.07-1.13x.
+
+    float32/float64 on one thread (``shared`` false: the call's partials make one
+    group) take the row path under WIDE_COLS columns since 2026-12-07, as the
+    softmax backward (``_softmax_bwd_pipelined``): ab.py --evict 64,
+    NUMBA_NUM_THREADS=1, row path against the pipeline and its pairs: 8192x2048
+    layer_norm 1.18x, rms_norm 1.22x; 4096x4096 1.09x; 2048x8192 1.01-1.04x."""
     if x.dtype in (types.float32, types.float64):
         floor = BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
-    else:
-        floor = HALF_BWD_PIPELINE_COLS
-    return lambda x: x.shape[2] >= floor
+        return lambda x, shared: x.shape[2] >= floor and (shared or x.shape[2] >= WIDE_COLS)
+    return lambda x, shared: x.shape[2] >= HALF_BWD_PIPELINE_COLS
 
 
 def _wide_bwd(rows, cols, threads):
@@ -2470,7 +2475,7 @@ def _build(loop):
             frame = _frame_on_page()
             _wide_for_halves(x)
             k0, k1 = t * chunks // groups, (t + 1) * chunks // groups
-            if _rows_pipelined(x):
+            if _rows_pipelined(x, groups > 1):
                 _norm_bwd_rows(dy, x, weight, None, rstd, dx, dweight_parts, None, chunks,
                                k0, k1)
             else:
@@ -2498,7 +2503,7 @@ def _build(loop):
             frame = _frame_on_page()
             _wide_for_halves(x)
             k0, k1 = t * chunks // groups, (t + 1) * chunks // groups
-            if _rows_pipelined(x):
+            if _rows_pipelined(x, groups > 1):
                 _norm_bwd_rows(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
                                chunks, k0, k1)
             else:
