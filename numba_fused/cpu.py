@@ -2145,11 +2145,14 @@ def _rows_pipelined_impl(x, shared):
     columns from memory layer_norm 0.98-1.02x, rms_norm 1.11-1.16x, in cache
     1.07-1.13x.
 
-    float32/float64 on one thread (``shared`` false: the call's partials make one
-    group) take the row path under WIDE_COLS columns since 2026-12-07, as the
-    softmax backward (``_softmax_bwd_pipelined``): ab.py --evict 64,
-    NUMBA_NUM_THREADS=1, row path against the pipeline and its pairs: 8192x2048
-    layer_norm 1.18x, rms_norm 1.22x; 4096x4096 1.09x; 2048x8192 1.01-1.04x."""
+    float32/float64 on one thread of the parallel build (``shared`` false: the
+    call's partials make one group) take the row path under WIDE_COLS columns
+    since 2026-12-07, as the softmax backward (``_softmax_bwd_pipelined``): ab.py
+    --evict 64, NUMBA_NUM_THREADS=1, row path against the pipeline and its pairs:
+    8192x2048 layer_norm 1.18-1.23x, rms_norm 1.21-1.22x; 4096x4096 1.09-1.10x;
+    2048x8192 1.01-1.04x. Not the serial build, which runs the small calls from
+    the caches: there the row path ran 16x4096 0.92-0.95x (32x2048 and 48x2048
+    0.98-1.04x)."""
     if x.dtype in (types.float32, types.float64):
         floor = BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
         return lambda x, shared: x.shape[2] >= floor and (shared or x.shape[2] >= WIDE_COLS)
@@ -2475,7 +2478,7 @@ def _build(loop):
             frame = _frame_on_page()
             _wide_for_halves(x)
             k0, k1 = t * chunks // groups, (t + 1) * chunks // groups
-            if _rows_pipelined(x, groups > 1):
+            if _rows_pipelined(x, groups > 1 or not parallel):
                 _norm_bwd_rows(dy, x, weight, None, rstd, dx, dweight_parts, None, chunks,
                                k0, k1)
             else:
@@ -2503,7 +2506,7 @@ def _build(loop):
             frame = _frame_on_page()
             _wide_for_halves(x)
             k0, k1 = t * chunks // groups, (t + 1) * chunks // groups
-            if _rows_pipelined(x, groups > 1):
+            if _rows_pipelined(x, groups > 1 or not parallel):
                 _norm_bwd_rows(dy, x, weight, mean, rstd, dx, dweight_parts, dbias_parts,
                                chunks, k0, k1)
             else:

@@ -1178,7 +1178,9 @@ def test_empty_rows(dtype):
 @pytest.mark.parametrize("op", ["rms_norm_bwd", "layer_norm_bwd"])
 @pytest.mark.parametrize("shape", [(777, 100), (517, 4111)], ids=str)   # row path, pipelined
 def test_param_grads_deterministic(rng, restore_threads, op, dtype, pkind, shape):
-    """dweight/dbias: the same bits on every run and for 1 and 2 threads."""
+    """dweight/dbias: the same bits on every run and for 1 and 2 threads (at 4111
+    columns float32/float64 take the pipeline on two threads and the row path on
+    one: cpu._rows_pipelined)."""
     if restore_threads < 2:
         pytest.skip("numba has fewer than 2 threads")
     x = draw(rng, shape, dtype, loc=0.3)
