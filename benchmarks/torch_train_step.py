@@ -193,8 +193,7 @@ def main(argv=None):
                         "(default: the library's POOL_MIN_BYTES; see benchmarks/pool_ab.py)")
     a = p.parse_args(argv)
     if a.pool_from is not None:
-        from numba_fused import _alloc
-        _alloc.POOL_MIN_BYTES = a.pool_from
+        numba_fused._alloc.POOL_MIN_BYTES = a.pool_from
     if a.threads:
         import numba
         torch.set_num_threads(a.threads)
@@ -216,7 +215,7 @@ def main(argv=None):
         "OMP_WAIT_POLICY", "NUMBA_THREADING_LAYER", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
         if k in os.environ)
     lines.append(f"Environment: {env or 'no threading variables set'}; numba_fused's "
-                 f"output pool from {__import__('numba_fused')._alloc.POOL_MIN_BYTES} bytes")
+                 f"output pool from {numba_fused._alloc.POOL_MIN_BYTES} bytes")
     lines.append(f"Shapes: batch {a.batch}, seq {a.seq}, dim {a.dim}, heads {a.heads} "
                  f"(norm rows {rows} x {a.dim}; softmax rows "
                  f"{a.batch * a.heads * a.seq} x {a.seq}); {a.rounds} interleaved rounds "
