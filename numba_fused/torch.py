@@ -31,8 +31,9 @@ with x's device current (bfloat16 as an int16 view plus ``dtype="bfloat16"``;
 non-contiguous tensors are made contiguous by torch on the device first, since the
 GPU backend copies such layouts through the host; bfloat16 weight/bias travel as
 float32, which the kernels accept, and dweight is cast back). Outputs y/dx are
-allocated by torch (so CUDA outputs come from torch's caching allocator) and are
-always contiguous; mean/rstd/dweight/dbias are allocated by the library (numba's
+always contiguous: on the CPU NumPy arrays made as the library makes its own
+(from 1 MiB out of its output pool) and viewed by a tensor, on CUDA from torch's
+caching allocator; mean/rstd/dweight/dbias are allocated by the library (numba's
 allocator on CUDA) and wrapped zero-copy. The CUDA branch follows the GPU
 backend's documented contract but has not been run on a GPU.
 
@@ -67,7 +68,9 @@ __all__ = ["softmax", "rms_norm", "layer_norm", "RMSNorm", "LayerNorm"]
 Tensor = torch.Tensor
 _BF16_NP = np.dtype(ml_dtypes.bfloat16)
 _SUPPORTED = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+#: the NumPy dtype of a CPU output's storage (bfloat16 as its int16 bits)
+_BITS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+         torch.bfloat16: np.int16}
 
 
 # ------------------------------------------------------------ data movement
@@ -78,9 +81,11 @@ def _check_dtype(t, name):
 
 
 def _np(t):
-    """A CPU tensor as a NumPy array sharing its memory and strides."""
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
+    """A CPU tensor as a NumPy array sharing its memory and strides (detached only
+    where it needs a gradient: ``detach`` costs ~0.4 us)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype is torch.bfloat16:
         return t.view(torch.int16).numpy().view(_BF16_NP)
     return t.numpy()
 
@@ -93,7 +98,12 @@ def _from_np(a):
 
 
 def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.float64 if dtype is torch.float64 else torch.float32
+
+
+def _as_dtype(t, dtype):
+    """t in ``dtype``: ``t.to`` costs ~0.9 us even where t has it already."""
+    return t if t.dtype is dtype else t.to(dtype)
 
 
 class _Cuda:
@@ -141,24 +151,26 @@ class _Cuda:
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-def _empty_out(x, *inputs):
-    """A contiguous output like x (the fake impls promise contiguous outputs); on
-    the CPU placed clear of the inputs' 2**28-byte aliases, 64-byte aligned from
-    16 MiB, and from 1 MiB out of the output pool (``numba_fused._alloc``)."""
-    n = x.numel() * x.element_size()
-    if x.is_cpu and n >= _alloc.POOL_MIN_BYTES:
-        # viewed and shaped on the NumPy side: one tensor made, not three (~3 us)
-        buf = _alloc.pooled(n, x, (x,) + inputs)
-        if x.dtype == torch.bfloat16:
-            return torch.from_numpy(buf.view(np.int16).reshape(x.shape)).view(torch.bfloat16)
-        return torch.from_numpy(buf.view(_NP_DTYPES[x.dtype]).reshape(x.shape))
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if (not x.is_cpu or n < _alloc.PLACE_MIN_BYTES
-            or _alloc.placed(y.data_ptr(), n, x, (x,) + inputs)):
-        return y
-    buf = torch.empty(n + _alloc.padding(x, (x,) + inputs), dtype=torch.uint8)
-    o = _alloc.clear_offset(buf.data_ptr(), x, (x,) + inputs)
-    return buf[o:o + n].view(x.dtype).view(x.shape)
+def _cpu_out(x, *inputs):
+    """(y, y's NumPy view): a contiguous CPU output like x, made in NumPy and
+    viewed by one tensor (torch's ``empty_like`` and a ``_np`` of it cost ~1.5 us
+    more): from 1 MiB out of the output pool, on a cache line and clear of the
+    inputs' 2**28-byte aliases (``numba_fused._alloc``)."""
+    n = x.nbytes
+    bits = _BITS[x.dtype]
+    if n >= _alloc.POOL_MIN_BYTES:
+        a = _alloc.pooled(n, x, (x,) + inputs).view(bits).reshape(x.shape)
+    else:
+        a = _alloc.place(np.empty(x.shape, bits), x, (x,) + inputs)
+    if x.dtype is torch.bfloat16:
+        return torch.from_numpy(a).view(torch.bfloat16), a.view(_BF16_NP)
+    return torch.from_numpy(a), a
+
+
+def _cuda_out(x):
+    """A contiguous CUDA output like x (the fake impls promise contiguous outputs),
+    from torch's caching allocator."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _none_to_empty(t, like):
@@ -237,12 +249,13 @@ def _function(name, op, setup_context, backward):
 # ------------------------------------------------------------------ softmax ops
 def _softmax_fwd_impl(x: Tensor) -> Tensor:
     _check_dtype(x, "x")
-    y = _empty_out(x)
     if x.is_cpu:
-        _F.softmax_fwd(_np(x), out=_np(y))
-    else:
-        with _Cuda(x) as c:
-            _F.softmax_fwd(c.arr(x), out=c.arr(y), **c.kw)
+        y, yn = _cpu_out(x)
+        _F.softmax_fwd(_np(x), out=yn)
+        return y
+    y = _cuda_out(x)
+    with _Cuda(x) as c:
+        _F.softmax_fwd(c.arr(x), out=c.arr(y), **c.kw)
     return y
 
 
@@ -256,13 +269,14 @@ def _(x):
 
 def _softmax_bwd_impl(y: Tensor, dy: Tensor) -> Tensor:
     _check_dtype(y, "y")
-    dy = dy.to(y.dtype)
-    dx = _empty_out(y, dy)
+    dy = _as_dtype(dy, y.dtype)
     if y.is_cpu:
-        _F.softmax_bwd(_np(y), _np(dy), out=_np(dx))
-    else:
-        with _Cuda(y) as c:
-            _F.softmax_bwd(c.arr(y), c.arr(dy), out=c.arr(dx), **c.kw)
+        dx, dxn = _cpu_out(y, dy)
+        _F.softmax_bwd(_np(y), _np(dy), out=dxn)
+        return dx
+    dx = _cuda_out(y)
+    with _Cuda(y) as c:
+        _F.softmax_bwd(c.arr(y), c.arr(dy), out=c.arr(dx), **c.kw)
     return dx
 
 
@@ -292,11 +306,12 @@ _SoftmaxFn = _function("_SoftmaxFn", _softmax_fwd, _softmax_setup, _softmax_back
 # ------------------------------------------------------------------ RMSNorm ops
 def _rms_norm_fwd_impl(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     _check_dtype(x, "x")
-    y = _empty_out(x)
     if x.is_cpu:
+        y, yn = _cpu_out(x)
         _, rstd = _F.rms_norm_fwd(_np(x), None if weight is None else _np(weight), eps,
-                                  out=_np(y))
-        return y, _from_np(rstd)
+                                  out=yn)
+        return y, torch.from_numpy(rstd)
+    y = _cuda_out(x)
     with _Cuda(x) as c:
         _, rstd = _F.rms_norm_fwd(c.arr(x), c.param(weight), eps, out=c.arr(y), **c.kw)
         return y, c.back(rstd)
@@ -312,13 +327,14 @@ def _(x, weight, eps):
 
 def _rms_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor,
                   need_dweight: bool) -> tuple[Tensor, Tensor]:
-    dy = dy.to(x.dtype)
-    dx = _empty_out(x, dy)
+    dy = _as_dtype(dy, x.dtype)
     if x.is_cpu:
+        dx, dxn = _cpu_out(x, dy)
         _, dw = _F.rms_norm_bwd(_np(dy), _np(x), None if weight is None else _np(weight),
-                                _np(rstd), out=_np(dx))
+                                _np(rstd), out=dxn)
         dw = None if dw is None else _from_np(dw)
     else:
+        dx = _cuda_out(x)
         with _Cuda(x) as c:
             _, dw = _F.rms_norm_bwd(c.arr(dy), c.arr(x), c.param(weight), c.arr(rstd),
                                     out=c.arr(dx), **c.kw)
@@ -362,12 +378,12 @@ _RMSNormFn = _function("_RMSNormFn", _rms_norm_fwd, _rms_norm_setup, _rms_norm_b
 def _layer_norm_fwd_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
     _check_dtype(x, "x")
-    y = _empty_out(x)
     if x.is_cpu:
+        y, yn = _cpu_out(x)
         _, mean, rstd = _F.layer_norm_fwd(_np(x), None if weight is None else _np(weight),
-                                          None if bias is None else _np(bias), eps,
-                                          out=_np(y))
-        return y, _from_np(mean), _from_np(rstd)
+                                          None if bias is None else _np(bias), eps, out=yn)
+        return y, torch.from_numpy(mean), torch.from_numpy(rstd)
+    y = _cuda_out(x)
     with _Cuda(x) as c:
         _, mean, rstd = _F.layer_norm_fwd(c.arr(x), c.param(weight), c.param(bias), eps,
                                           out=c.arr(y), **c.kw)
@@ -389,19 +405,20 @@ def _layer_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: 
                     need_dbias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """dbias comes back in the accumulator dtype (float32, float64 for float64 x):
     bias is not saved, so a stand-in of that dtype (allowed for any x) selects it."""
-    dy = dy.to(x.dtype)
-    dx = _empty_out(x, dy)
+    dy = _as_dtype(dy, x.dtype)
     acc = _acc_dtype(x.dtype)
     n = x.shape[-1]
     if x.is_cpu:
-        stand_in = np.empty((n,), np.float64 if acc == torch.float64 else np.float32) \
+        dx, dxn = _cpu_out(x, dy)
+        stand_in = np.empty((n,), np.float64 if acc is torch.float64 else np.float32) \
             if need_dbias else None
         _, dw, db = _F.layer_norm_bwd(_np(dy), _np(x),
                                       None if weight is None else _np(weight), stand_in,
-                                      _np(mean), _np(rstd), out=_np(dx))
+                                      _np(mean), _np(rstd), out=dxn)
         dw = None if dw is None else _from_np(dw)
-        db = None if db is None else _from_np(db)
+        db = None if db is None else torch.from_numpy(db)
     else:
+        dx = _cuda_out(x)
         with _Cuda(x) as c:
             stand_in = torch.empty((n,), dtype=acc, device=x.device) if need_dbias else None
             _, dw, db = _F.layer_norm_bwd(c.arr(dy), c.arr(x), c.param(weight), stand_in,
@@ -443,7 +460,7 @@ def _layer_norm_backward(ctx, grad_y, grad_mean, grad_rstd):
     dx, dw, db = _call(_layer_norm_bwd, grad_y, x, weight, mean, rstd,
                        bool(need_dw and weight is not None), bool(need_db and ctx.has_bias))
     if need_db:
-        db = db.to(ctx.bias_dtype)
+        db = _as_dtype(db, ctx.bias_dtype)
     return (dx if need_dx else None), (dw if need_dw else None), \
         (db if need_db else None), None
 
