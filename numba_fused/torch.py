@@ -221,29 +221,40 @@ def _call(op, *args):
 
 
 def _forward(op, fn, *args):
-    """A forward op: through ``fn`` (its autograd.Function) where plain and some
-    input needs a gradient, the implementation where plain and none does, else
-    the op (whose registered autograd is the same setup_context/backward)."""
+    """y of a forward op: through ``fn`` (its eager autograd.Function) where plain
+    and some input needs a gradient, the implementation where plain and none does,
+    else the op (whose registered autograd saves the same and runs the same
+    backward)."""
     if not _plain(args):
-        return op(*args)
-    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
-                                       for a in args):
+        out = op(*args)
+    elif torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                         for a in args):
         return fn.apply(*args)
-    return _IMPLS[op](*args)
+    else:
+        out = _IMPLS[op](*args)
+    return out if isinstance(out, torch.Tensor) else out[0]
 
 
-def _function(name, op, setup_context, backward):
-    """The eager autograd.Function of a forward op. Old-style (ctx in forward):
-    with a separate setup_context, Function.apply binds arguments through
-    inspect.signature on every call (~20 us)."""
+def _function(name, op, save, backward, stats=0):
+    """The eager autograd.Function of a forward op, which returns y alone: the
+    ``stats`` statistics after y in the op's outputs (mean, rstd) are saved for the
+    backward, not returned, so the engine neither wraps them nor makes zero
+    gradients for them (LayerNorm float32 fwd+grad, 2026-12-07: 1x1024 85 -> 76 us,
+    64x1024 154 -> 140 us). Old-style (ctx in forward): with a separate
+    setup_context, Function.apply binds arguments through inspect.signature on
+    every call (~20 us)."""
     impl = _IMPLS[op]
 
     def forward(ctx, *args):
         out = impl(*args)
-        setup_context(ctx, args, out)
-        return out
+        save(ctx, args, out)
+        return out[0] if stats else out
+
+    def backward_y(ctx, grad_y):
+        return backward(ctx, grad_y, *(None,) * stats)
     return type(name, (torch.autograd.Function,), {
-        "forward": staticmethod(forward), "backward": staticmethod(backward)})
+        "forward": staticmethod(forward),
+        "backward": staticmethod(backward_y if stats else backward)})
 
 
 # ------------------------------------------------------------------ softmax ops
@@ -354,10 +365,14 @@ def _(dy, x, weight, rstd, need_dweight):
     return x.new_empty(x.shape), dw
 
 
-def _rms_norm_setup(ctx, inputs, output):
+def _rms_norm_save(ctx, inputs, output):
     x, weight, _ = inputs
-    ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1])
+    _rms_norm_save(ctx, inputs, output)
 
 
 def _rms_norm_backward(ctx, grad_y, grad_rstd):
@@ -371,7 +386,8 @@ def _rms_norm_backward(ctx, grad_y, grad_rstd):
 
 
 _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
-_RMSNormFn = _function("_RMSNormFn", _rms_norm_fwd, _rms_norm_setup, _rms_norm_backward)
+_RMSNormFn = _function("_RMSNormFn", _rms_norm_fwd, _rms_norm_save, _rms_norm_backward,
+                       stats=1)
 
 
 # ---------------------------------------------------------------- LayerNorm ops
@@ -443,13 +459,16 @@ def _(dy, x, weight, mean, rstd, need_dweight, need_dbias):
     return x.new_empty(x.shape), dw, db
 
 
-def _layer_norm_setup(ctx, inputs, output):
+def _layer_norm_save(ctx, inputs, output):
     x, weight, bias, _ = inputs
-    _, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
     ctx.has_bias = bias is not None
     ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.save_for_backward(x, weight, output[1], output[2])
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1], output[2])
+    _layer_norm_save(ctx, inputs, output)
 
 
 def _layer_norm_backward(ctx, grad_y, grad_mean, grad_rstd):
@@ -466,8 +485,8 @@ def _layer_norm_backward(ctx, grad_y, grad_mean, grad_rstd):
 
 
 _layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
-_LayerNormFn = _function("_LayerNormFn", _layer_norm_fwd, _layer_norm_setup,
-                         _layer_norm_backward)
+_LayerNormFn = _function("_LayerNormFn", _layer_norm_fwd, _layer_norm_save,
+                         _layer_norm_backward, stats=2)
 
 
 # ---------------------------------------------------------------- functional
@@ -522,7 +541,7 @@ def rms_norm(x, weight=None, eps=1e-6):
     ``eps=None`` means torch.finfo(x.dtype).eps, as in torch.nn.RMSNorm."""
     _check_x(x)
     return _forward(_rms_norm_fwd, _RMSNormFn, x, _param(weight, x, "weight"),
-                    _eps(eps, x))[0]
+                    _eps(eps, x))
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
@@ -530,7 +549,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
     (biased variance)."""
     _check_x(x)
     return _forward(_layer_norm_fwd, _LayerNormFn, x, _param(weight, x, "weight"),
-                    _param(bias, x, "bias"), _eps(eps, x))[0]
+                    _param(bias, x, "bias"), _eps(eps, x))
 
 
 def _over_shape(fn, x, normalized_shape, params, eps):
