@@ -120,7 +120,7 @@ def always_moved(monkeypatch):
 def test_relocated_outputs_hold_the_same_bits(rng, dtype, always_moved):
     shape = (3, 96, 700)          # 3-D: past the small 2-D entries, on the host path
     x, dy = draw(rng, shape, dtype), draw(rng, shape, dtype)
-    w, b = (draw_param(rng, shape[-1], "random", dtype), draw_param(rng, shape[-1], "random", dtype))
+    w, b = (draw_param(rng, shape[-1], "random", dtype) for _ in range(2))
     y = nf.softmax_fwd(x)
     _, rstd = nf.rms_norm_fwd(x, w)
     _, mean, lrstd = nf.layer_norm_fwd(x, w, b)

@@ -206,8 +206,9 @@ def _head_of(dst, c, n, on, plain, least=0):
 @pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=dtype_id)
 def test_stream_head_reaches_the_next_cache_line(dtype):
     """stream_head: the columns from c to the row's next 64-byte boundary, for a
-    streaming row of HEAD_MIN_BYTES (or the caller's larger ``least``) or more; 0 for shorter rows, for rows that do not stream and for plain pointers.
-    Every offset of the row in a line; the column it reaches is on the line."""
+    streaming row of HEAD_MIN_BYTES (or the caller's larger ``least``) or more; 0
+    for shorter rows, for rows that do not stream and for plain pointers. Every
+    offset of the row in a line; the column it reaches is on the line."""
     st = np.dtype(D.storage_dtype(dtype))
     size = st.itemsize
     n = 2 * L.HEAD_MIN_BYTES // size

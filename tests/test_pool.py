@@ -206,9 +206,9 @@ def test_set_pool_limit_rejects_bad_sizes_naming_the_argument(bad, exc):
 @pytest.mark.parametrize("value, expect", [("12345", "12345"), ("abc", "NUMBA_FUSED_POOL_BYTES"),
                                            ("-5", "NUMBA_FUSED_POOL_BYTES")])
 def test_pool_limit_from_the_environment(value, expect):
-    r = subprocess.run([sys.executable, "-c", "import numba_fused as nf; print(nf.pool_info()['limit'])"],
-                       capture_output=True, text=True, env={**os.environ,
-                                                            "NUMBA_FUSED_POOL_BYTES": value})
+    code = "import numba_fused as nf; print(nf.pool_info()['limit'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "NUMBA_FUSED_POOL_BYTES": value})
     assert expect in (r.stdout if expect.isdigit() else r.stderr), (r.stdout, r.stderr)
 
 

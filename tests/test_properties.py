@@ -10,11 +10,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import numba_fused as nf
 from numba_fused import reference as ref
-from conftest import (DTYPES, EPS, HALVES, LAYOUTS, TOL, as_layout, assert_bits_equal, assert_close, bound,
-                      call_op, check_op, draw, draw_param, ln_fwd_cond, row_scale)
+from conftest import (DTYPES, EPS, HALVES, LAYOUTS, TOL, as_layout, assert_bits_equal,
+                      assert_close, bound, call_op, check_op, draw, draw_param, ln_fwd_cond,
+                      row_scale)
 
 # NF_HYPOTHESIS_EXAMPLES raises the count for a longer soak run.
-SETTINGS = settings(max_examples=int(os.environ.get("NF_HYPOTHESIS_EXAMPLES", 30)), deadline=None, database=None,
+SETTINGS = settings(max_examples=int(os.environ.get("NF_HYPOTHESIS_EXAMPLES", 30)),
+                    deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 COLS = st.one_of(st.integers(1, 40), st.sampled_from([64, 127, 128, 129, 255, 1000, 1031]))
 

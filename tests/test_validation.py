@@ -45,7 +45,8 @@ def _calls(x=X, dy=DY, y=Y, w=W, b=B, mean=MEAN, rstd=RSTD, rstd_rms=RSTD_RMS, *
 def _expect(fn, exc, name):
     with pytest.raises(Exception) as info:
         fn()
-    assert type(info.value) is exc, f"expected {exc.__name__}, got {info.type.__name__}: {info.value}"
+    assert type(info.value) is exc, \
+        f"expected {exc.__name__}, got {info.type.__name__}: {info.value}"
     assert re.search(rf"\b{re.escape(name)}\b", str(info.value)), \
         f"message does not name {name!r}: {info.value}"
 
@@ -140,7 +141,8 @@ case("layer_norm_fwd", TypeError, "weight",
 
 # ------------------------------------------------------- statistics
 for sname in ("mean", "rstd"):
-    for tag, bad, exc in [("f64", MEAN.astype(F64), TypeError), ("f16", MEAN.astype(F16), TypeError),
+    for tag, bad, exc in [("f64", MEAN.astype(F64), TypeError),
+                          ("f16", MEAN.astype(F16), TypeError),
                           ("short", MEAN[:-1], ValueError), ("2d", MEAN[:, None], ValueError),
                           ("full", X, ValueError), ("list", MEAN.tolist(), TypeError)]:
         case("layer_norm_bwd", exc, sname, lambda bad=bad, s=sname: nf.layer_norm_bwd(
