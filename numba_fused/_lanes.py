@@ -432,10 +432,11 @@ def stream_head(typingctx, s, c, n, least):
     """The columns from c to the first 64-byte boundary of a streaming output row
     ``s`` (a ``Stream`` that is on) whose n columns from c hold ``least`` bytes or
     more (HEAD_MIN_BYTES at least, so the head, under 64 bytes, lies inside them);
-    0 for a row that does not stream (off, a data pointer, None) or is shorter. A store loop that stores these
-    columns first (a short block) has every later whole block on a cache line,
-    where ``lanes_store`` streams it: a row whose byte length is not a multiple of
-    64 (an odd column count) starts off a line, and lost every non-temporal store."""
+    0 for a row that does not stream (off, a data pointer, None) or is shorter. A
+    store loop that stores these columns first (a short block) has every later
+    whole block on a cache line, where ``lanes_store`` streams it: a row whose byte
+    length is not a multiple of 64 (an odd column count) starts off a line, and
+    lost every non-temporal store."""
     if not all(isinstance(a, types.Integer) for a in (c, n, least)):
         return None
     if not isinstance(s, Stream):

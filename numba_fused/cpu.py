@@ -901,12 +901,11 @@ def _softmax_bwd_pipelined_impl(y, shared):
 @_row
 def _softmax_bwd_rows(y, dy, dx, lo, hi, shared):
     """dx = y * (dy - sum(dy * y)) for rows lo..hi-1 (``shared``: of a call on
-    more than one thread): each row's sum, then its
-    store (``_softmax_bwd_pipelined`` false), or software-pipelined as the norm
-    forwards: one pass stores row r (in cache) and takes the sum of row r + 1
-    (from memory); row lo's sum and row hi-1's store are passes of their own, with
-    the stage's lanes and operations (a row's bits do not depend on lo and hi, nor
-    on the path)."""
+    more than one thread): each row's sum, then its store
+    (``_softmax_bwd_pipelined`` false), or software-pipelined as the norm forwards:
+    one pass stores row r (in cache) and takes the sum of row r + 1 (from memory);
+    row lo's sum and row hi-1's store are passes of their own, with the stage's lanes
+    and operations (a row's bits do not depend on lo and hi, nor on the path)."""
     stream = _streams(dx)
     if not _softmax_bwd_pipelined(y, shared):
         for r in range(lo, hi):
@@ -1219,8 +1218,9 @@ def _layer_norm_store(x, weight, bias, mean, rstd, y):
     """y = (x - mean) * rstd * weight + bias, the last two by an FMA (the stage's
     store, the same operations).
 
-    The statistics (``_layer_norm_fwd_rows``) are shifted sums: with d = x - m0, var = sum(d**2)/n - (sum(d)/n)**2, and
-    mean = sum(x/n) directly (m0 + sum(d)/n would carry m0's rounding, eps*|m0|,
+    The statistics (``_layer_norm_fwd_rows``) are shifted sums: with d = x - m0,
+    var = sum(d**2)/n - (sum(d)/n)**2, and mean = sum(x/n) directly
+    (m0 + sum(d)/n would carry m0's rounding, eps*|m0|,
     which for a row whose mean is small against its spread measured up to 37x
     (median 14x) the error of the plain sum, and made the benchmark's error gate
     flaky on (1, 300) float32 rows). The cancellation in var is that of

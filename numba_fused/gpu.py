@@ -57,9 +57,9 @@ bf16 data comes in as a uint16/int16 (or torch ``<V2``) device array plus
 ``dtype="bfloat16"``; weight/bias given as 16-bit integer arrays are read as the
 call's half dtype. ``reshape_view`` returns zero-copy views wherever NumPy's reshape
 would; arrays that need a copy to C order (non-unit last stride) are copied on the
-device by a strided copy kernel (up to 4 axes after merging). ``stream=`` takes a numba stream, an object
-with a ``cuda_stream`` handle (torch.cuda.Stream) or an int handle; every launch,
-fill and copy of the call is issued on it.
+device by a strided copy kernel (up to 4 axes after merging). ``stream=`` takes a
+numba stream, an object with a ``cuda_stream`` handle (torch.cuda.Stream) or an int
+handle; every launch, fill and copy of the call is issued on it.
 """
 import ctypes
 import math
