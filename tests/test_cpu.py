@@ -394,13 +394,13 @@ SMALL_SHAPES = [(1, 1024), (5, 300), (3, 1)]
 
 @pytest.mark.parametrize("params", ["x+f32", "f32", "none"])
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("op", OPS)
 def test_small_call_entry(rng, monkeypatch, op, dtype, shape, params):
-    """A small 2-D float32/float64 call runs the compiled entry (cpu.SMALL): once
-    its signature is compiled, no Python check runs (``_host_ok`` and the general
-    path are poisoned), and the results are the general path's bits, in fresh
-    NumPy-owned arrays of NumPy's canonical dtypes."""
+    """A small 2-D call runs the compiled entry (cpu.SMALL; float16/bfloat16 as
+    their bits): once its signature is compiled, no Python check runs (``_host_ok``
+    and the general path are poisoned), and the results are the bits of the path
+    without the entries, in fresh NumPy-owned arrays of NumPy's canonical dtypes."""
     from numba_fused import _dispatch
     d = _make_case(op, rng, shape, dtype)
     if params != "x+f32":
@@ -413,7 +413,9 @@ def test_small_call_entry(rng, monkeypatch, op, dtype, shape, params):
             fwd = call_op(op.replace("bwd", "fwd"), d)
             d.update(zip(("mean", "rstd") if op == "layer_norm_bwd" else ("rstd",), fwd[1:]))
     orig = copies(*d.values())
-    general = call_op(op, d, out=poisoned(shape, dtype))
+    with monkeypatch.context() as m:
+        m.setattr(_dispatch._SmallCall, "takes", lambda self, x: False)
+        general = call_op(op, d, out=poisoned(shape, dtype))
     call_op(op, d)                                     # compiles the signature
 
     def poison(*a, **k):
@@ -446,6 +448,11 @@ def test_compiled_callees_take_no_literal_types(rng):
     rows = x.reshape(1, *x.shape)
     njit(error_model="numpy")(cpu._norm_bwd_two_passes.py_func)(
         rows, rows.copy(), w, mean, rstd, None, w.copy(), w.copy(), 0, True, False)
+    # the pipeline's last store reaches _norm_bwd_store_at: typed here too, since a
+    # cached driver or _norm_bwd_rows loads without typing its callees
+    njit(error_model="numpy")(cpu._norm_bwd_rows.py_func)(
+        rows, rows.copy(), w, mean, rstd, np.empty_like(rows), np.empty((1, w.size), F32),
+        np.empty((1, w.size), F32), 1, 0, 1)
     callees = [*cpu.SERIAL.values(), cpu._norm_bwd_store_at, cpu._norm_bwd_row_at]
     assert all(k.signatures for k in callees)
     literal = [(k.py_func.__name__, sig) for k in callees for sig in k.signatures
@@ -503,6 +510,26 @@ def test_small_call_bad_arguments_take_the_general_path(rng):
         for exc, msg, call in cases:
             with pytest.raises(exc, match=msg):
                 call()
+    assert {k: len(v.signatures) for k, v in cpu.SMALL.items()} == before
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=dtype_id)
+def test_small_half_call_takes_no_raw_bits(rng, dtype):
+    """A float16/bfloat16 small call reaches its entry as integer bits: a caller's
+    own 16-bit integer array must not pass for them. It takes the general path,
+    which names it, and compiles nothing."""
+    x, w, mean, rstd = _small_args(rng, dtype)
+    nf.layer_norm_bwd(x, x, w, w, mean, rstd)          # compiles the half signatures
+    nf.rms_norm_fwd(x, w)
+    bits = w.view(np.int16 if dtype == F16 else np.uint16)
+    before = {k: len(v.signatures) for k, v in cpu.SMALL.items()}
+    for _ in range(2):
+        with pytest.raises(TypeError, match="weight"):
+            nf.rms_norm_fwd(x, bits)
+        with pytest.raises(TypeError, match="weight"):
+            nf.layer_norm_bwd(x, x, bits, w, mean, rstd)
+        with pytest.raises(TypeError, match="dy"):
+            nf.layer_norm_bwd(x.view(bits.dtype), x, w, w, mean, rstd)
     assert {k: len(v.signatures) for k, v in cpu.SMALL.items()} == before
 
 
