@@ -152,10 +152,10 @@ class _Cuda:
 
 
 def _cpu_out(x, *inputs):
-    """(y, y's NumPy view): a contiguous CPU output like x, made in NumPy and
-    viewed by one tensor (torch's ``empty_like`` and a ``_np`` of it cost ~1.5 us
-    more): from 1 MiB out of the output pool, on a cache line and clear of the
-    inputs' 2**28-byte aliases (``numba_fused._alloc``)."""
+    """(y, y's NumPy view): a contiguous CPU output like x, made in NumPy as the
+    library makes its own and viewed by one tensor (torch's ``empty_like`` and a
+    ``_np`` of it cost ~1.5 us more); from 1 MiB out of the output pool, on a
+    cache line and clear of the inputs' 2**28-byte aliases (``numba_fused._alloc``)."""
     n = x.nbytes
     bits = _BITS[x.dtype]
     if n >= _alloc.POOL_MIN_BYTES:
