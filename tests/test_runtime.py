@@ -67,11 +67,12 @@ def test_eight_threads_launching_parallel_kernels_at_once():
 _SMALL_THREADS = textwrap.dedent("""
     # 8 threads making the process's first small calls at once: each signature
     # is compiled (or loaded from the cache) while other threads call the entry
-    import threading, numpy as np, numba_fused as nf
+    import threading, ml_dtypes, numpy as np, numba_fused as nf
     rng = np.random.default_rng(5)
     cases = []
     for dt, pdt in ((np.float32, np.float32), (np.float64, np.float64),
-                    (np.float64, np.float32)):
+                    (np.float64, np.float32), (ml_dtypes.bfloat16, ml_dtypes.bfloat16),
+                    (np.float16, np.float32)):
         x = rng.standard_normal((4, 96)).astype(dt)
         w = rng.standard_normal(96).astype(pdt)
         cases.append((x, w))
