@@ -68,9 +68,6 @@ __all__ = ["softmax", "rms_norm", "layer_norm", "RMSNorm", "LayerNorm"]
 Tensor = torch.Tensor
 _BF16_NP = np.dtype(ml_dtypes.bfloat16)
 _SUPPORTED = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-#: the NumPy dtype of a CPU output's storage (bfloat16 as its int16 bits)
-_BITS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-         torch.bfloat16: np.int16}
 
 
 # ------------------------------------------------------------ data movement
@@ -151,20 +148,14 @@ class _Cuda:
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-def _cpu_out(x, *inputs):
-    """(y, y's NumPy view): a contiguous CPU output like x, made in NumPy as the
-    library makes its own and viewed by one tensor (torch's ``empty_like`` and a
-    ``_np`` of it cost ~1.5 us more); from 1 MiB out of the output pool, on a
-    cache line and clear of the inputs' 2**28-byte aliases (``numba_fused._alloc``)."""
-    n = x.nbytes
-    bits = _BITS[x.dtype]
-    if n >= _alloc.POOL_MIN_BYTES:
-        a = _alloc.pooled(n, x, (x,) + inputs).view(bits).reshape(x.shape)
-    else:
-        a = _alloc.place(np.empty(x.shape, bits), x, (x,) + inputs)
-    if x.dtype is torch.bfloat16:
-        return torch.from_numpy(a).view(torch.bfloat16), a.view(_BF16_NP)
-    return torch.from_numpy(a), a
+def _cpu_out(like, *inputs):
+    """(y, y's NumPy array): a contiguous CPU output like the NumPy view ``like``,
+    made as the library makes its own (``_alloc.output``: from 1 MiB out of the
+    output pool, on a cache line and clear of the input tensors' 2**28-byte
+    aliases) and viewed by one tensor (torch's ``empty_like`` and a ``_np`` of it
+    cost ~1.5 us more)."""
+    a = _alloc.output(like, inputs)
+    return _from_np(a), a
 
 
 def _cuda_out(x):
@@ -261,8 +252,9 @@ def _function(name, op, save, backward, stats=0):
 def _softmax_fwd_impl(x: Tensor) -> Tensor:
     _check_dtype(x, "x")
     if x.is_cpu:
-        y, yn = _cpu_out(x)
-        _F.softmax_fwd(_np(x), out=yn)
+        xn = _np(x)
+        y, yn = _cpu_out(xn, x)
+        _F.softmax_fwd(xn, out=yn)
         return y
     y = _cuda_out(x)
     with _Cuda(x) as c:
@@ -282,8 +274,9 @@ def _softmax_bwd_impl(y: Tensor, dy: Tensor) -> Tensor:
     _check_dtype(y, "y")
     dy = _as_dtype(dy, y.dtype)
     if y.is_cpu:
-        dx, dxn = _cpu_out(y, dy)
-        _F.softmax_bwd(_np(y), _np(dy), out=dxn)
+        yn = _np(y)
+        dx, dxn = _cpu_out(yn, y, dy)
+        _F.softmax_bwd(yn, _np(dy), out=dxn)
         return dx
     dx = _cuda_out(y)
     with _Cuda(y) as c:
@@ -318,9 +311,9 @@ _SoftmaxFn = _function("_SoftmaxFn", _softmax_fwd, _softmax_setup, _softmax_back
 def _rms_norm_fwd_impl(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     _check_dtype(x, "x")
     if x.is_cpu:
-        y, yn = _cpu_out(x)
-        _, rstd = _F.rms_norm_fwd(_np(x), None if weight is None else _np(weight), eps,
-                                  out=yn)
+        xn = _np(x)
+        y, yn = _cpu_out(xn, x)
+        _, rstd = _F.rms_norm_fwd(xn, None if weight is None else _np(weight), eps, out=yn)
         return y, torch.from_numpy(rstd)
     y = _cuda_out(x)
     with _Cuda(x) as c:
@@ -340,8 +333,9 @@ def _rms_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Te
                   need_dweight: bool) -> tuple[Tensor, Tensor]:
     dy = _as_dtype(dy, x.dtype)
     if x.is_cpu:
-        dx, dxn = _cpu_out(x, dy)
-        _, dw = _F.rms_norm_bwd(_np(dy), _np(x), None if weight is None else _np(weight),
+        xn = _np(x)
+        dx, dxn = _cpu_out(xn, x, dy)
+        _, dw = _F.rms_norm_bwd(_np(dy), xn, None if weight is None else _np(weight),
                                 _np(rstd), out=dxn)
         dw = None if dw is None else _from_np(dw)
     else:
@@ -395,8 +389,9 @@ def _layer_norm_fwd_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Ten
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
     _check_dtype(x, "x")
     if x.is_cpu:
-        y, yn = _cpu_out(x)
-        _, mean, rstd = _F.layer_norm_fwd(_np(x), None if weight is None else _np(weight),
+        xn = _np(x)
+        y, yn = _cpu_out(xn, x)
+        _, mean, rstd = _F.layer_norm_fwd(xn, None if weight is None else _np(weight),
                                           None if bias is None else _np(bias), eps, out=yn)
         return y, torch.from_numpy(mean), torch.from_numpy(rstd)
     y = _cuda_out(x)
@@ -425,10 +420,11 @@ def _layer_norm_bwd_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: 
     acc = _acc_dtype(x.dtype)
     n = x.shape[-1]
     if x.is_cpu:
-        dx, dxn = _cpu_out(x, dy)
+        xn = _np(x)
+        dx, dxn = _cpu_out(xn, x, dy)
         stand_in = np.empty((n,), np.float64 if acc is torch.float64 else np.float32) \
             if need_dbias else None
-        _, dw, db = _F.layer_norm_bwd(_np(dy), _np(x),
+        _, dw, db = _F.layer_norm_bwd(_np(dy), xn,
                                       None if weight is None else _np(weight), stand_in,
                                       _np(mean), _np(rstd), out=dxn)
         dw = None if dw is None else _from_np(dw)
