@@ -184,13 +184,15 @@ _CHILD = textwrap.dedent("""
     from numba_fused import cpu
     dtype = np.dtype(ml_dtypes.bfloat16 if sys.argv[1] == "bfloat16" else sys.argv[1])
     x = np.random.default_rng(3).standard_normal((8, 96)).astype(dtype)
-    y, mean, rstd = nf.layer_norm_fwd(x, np.ones(96, np.float32), None)
-    dx, dw, db = nf.layer_norm_bwd(x, x, np.ones(96, np.float32), None, mean, rstd)
+    y = nf.softmax_fwd(x)
+    dx = nf.softmax_bwd(y, x)
     misses = sum(sum(d.stats.cache_misses.values()) for d in cpu.SERIAL.values())
-    print(hashlib.sha256(y.tobytes() + dx.tobytes() + dw.tobytes()).hexdigest(), misses)
+    print(hashlib.sha256(y.tobytes() + dx.tobytes()).hexdigest(), misses)
 """)
 
-#: one dtype a process: each compiles its own signatures of the same kernels
+#: one dtype a process: each compiles its own signatures of the same kernels (the
+#: softmax pair: a process compiles it in ~5 s, the LayerNorm pair in ~12 s, and
+#: this test runs 5 at once beside the other pytest worker)
 CACHE_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
