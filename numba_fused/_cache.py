@@ -17,13 +17,22 @@ and the index could end up naming the other signature's file: every later
 process then failed on that signature with a TypingError ("Known signatures:"
 the other one) until the cache was deleted (seen 2026-12-07 in this project's
 own test run).
+
+A kernel signature is compiled by one process at a time (``_CompileOnce``): a
+process that misses it in the cache while another one compiles it waits for that
+compile (up to COMPILE_WAIT_S) and loads its entry. Without that, every process
+of a job starting on an empty cache compiled every kernel itself (``numba-fused
+warmup -j N`` relies on it: its workers share the drivers' out-of-line callees).
 """
 import contextlib
 import hashlib
 import os
 import pickle
+import threading
+import time
 
 from numba.core import caching
+from numba.core import event
 
 try:
     import fcntl
@@ -139,14 +148,119 @@ class KeyedDataCacheFile(caching.IndexDataCacheFile):
         return None if crossed else data
 
 
+#: how long a process waits for another one compiling a kernel signature before
+#: compiling it itself (the costliest driver with its callees: ~15 s on 2 cores)
+COMPILE_WAIT_S = 300.0
+_POLL_S = 0.02
+
+#: lock file -> descriptor, open for the life of the process: the locks are POSIX
+#: record locks (a byte of the file per entry), which a process drops on closing
+#: any descriptor of the file
+_lock_fds = {}
+#: (id(cache), key) -> (fd, byte) of the entries this process is compiling
+_held = {}
+_held_mutex = threading.Lock()
+
+
+def _lock_fd(path):
+    fd = _lock_fds.get(path)
+    if fd is None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:         # a read-only cache: no saves to wait for either
+            return None
+        fd = _lock_fds.setdefault(path, fd)
+    return fd
+
+
+def _try_lock(fd, byte):
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte)
+        return True
+    except OSError:
+        return False
+
+
+class _CompileOnce:
+    """The ``caching.Cache`` of this package's kernels: a miss takes the entry's lock
+    (waiting while another process compiles that signature, then loading its entry)
+    and holds it until the compile is saved or fails (``_CompileEnd``)."""
+
+    def load_overload(self, sig, target_context):
+        data = super().load_overload(sig, target_context)
+        if data is not None or fcntl is None or not self._enabled:
+            return data
+        key = self._index_key(sig, target_context.codegen())
+        fd = _lock_fd(self._cache_file._index_path[:-len(".nbi")] + ".compiling")
+        if fd is None:
+            return None
+        byte = int(self._cache_file.data_name(key).rsplit(".", 2)[-2][:12], 16)
+        if not _try_lock(fd, byte):
+            deadline = time.monotonic() + COMPILE_WAIT_S
+            while not _try_lock(fd, byte):
+                if time.monotonic() > deadline:
+                    return None             # compile it here, unlocked
+                time.sleep(_POLL_S)
+            data = super().load_overload(sig, target_context)    # the other's entry
+            if data is not None:
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, byte)
+                return data
+        with _held_mutex:
+            _held[(id(self), key)] = (fd, byte)
+        return None
+
+    def save_overload(self, sig, data):
+        try:
+            super().save_overload(sig, data)
+        finally:
+            try:
+                key = (id(self), self._index_key(sig, data.codegen))
+                self._release(lambda k: k == key)
+            except Exception:
+                self._release(lambda k: k[0] == id(self))
+
+    def _release(self, which):
+        with _held_mutex:
+            keys = [k for k in _held if which(k)]
+            locks = [_held.pop(k) for k in keys]
+        for fd, byte in locks:
+            with contextlib.suppress(OSError):
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, byte)
+
+
+class _CompileEnd(event.Listener):
+    """Releases the entries a failed compile held (a successful one releases them
+    in ``save_overload``)."""
+
+    def on_start(self, ev):
+        pass
+
+    def on_end(self, ev):
+        # failed: no overload was added (numba 0.68's Event.is_failed reads inverted)
+        dispatcher = ev.data.get("dispatcher")
+        cache = getattr(dispatcher, "_cache", None)
+        if (isinstance(cache, _CompileOnce)
+                and tuple(ev.data.get("args", ())) not in dispatcher.overloads):
+            cache._release(lambda k: k[0] == id(cache))
+
+
+_compile_once_classes = {}
+
+
 def _keyed_cache_init(self, py_func):
     _numba_cache_init(self, py_func)
     if isinstance(self._impl.locator, _PackageStamp):     # the stamp numba just took
         self._cache_file = KeyedDataCacheFile(self._cache_path, self._impl.filename_base,
                                               self._cache_file._source_stamp)
+        cls = type(self)
+        if cls not in _compile_once_classes:
+            _compile_once_classes[cls] = type(cls.__name__, (_CompileOnce, cls), {})
+        self.__class__ = _compile_once_classes[cls]
 
 
 _keyed_cache_init.keyed = True
 if not getattr(caching.Cache.__init__, "keyed", False):   # once, reloads included
     _numba_cache_init = caching.Cache.__init__
     caching.Cache.__init__ = _keyed_cache_init
+    if fcntl is not None:
+        event.register("numba:compile", _CompileEnd())

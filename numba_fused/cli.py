@@ -1,5 +1,6 @@
 """``numba-fused`` (also ``python -m numba_fused``): ``bench`` and ``warmup``."""
 import argparse
+import os
 import sys
 import time
 
@@ -195,11 +196,14 @@ def build_parser():
                         "pip install numba-fused[plot])")
     b.add_argument("--markdown", action="store_true", help="print a Markdown table")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
-    w = sub.add_parser("warmup", help="compile (or load from cache) every CPU kernel "
-                                      "and report the time (the parallel kernels are "
-                                      "not cached: compiled for this process)")
+    w = sub.add_parser("warmup", help="compile (or load from the on-disk cache) every "
+                                      "CPU kernel and report the time")
     w.add_argument("--dtypes", type=_dtypes, default=None, metavar="LIST",
                    help="dtypes to compile (default: all supported)")
+    w.add_argument("--jobs", "-j", type=_positive, default=None, metavar="N",
+                   help="processes compiling at once into the cache, then loaded here "
+                        f"(default: the CPUs this process may use, at most {WARMUP_JOBS}; "
+                        "1: all in this process)")
     return p
 
 
@@ -272,6 +276,18 @@ def cmd_bench(args, argv):
     return 0
 
 
+#: the most processes ``warmup`` starts by default (each holds a compiler: ~0.3-0.5 GB)
+WARMUP_JOBS = 8
+
+
+def default_warmup_jobs():
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, WARMUP_JOBS))
+
+
 def cmd_warmup(args):
     try:
         from . import cpu
@@ -283,12 +299,14 @@ def cmd_warmup(args):
         print("numba-fused warmup: numba_fused.cpu.warmup() does not exist yet",
               file=sys.stderr)
         return 1
+    jobs = args.jobs or default_warmup_jobs()
     t0 = time.perf_counter()
-    timings = cpu.warmup(args.dtypes) if args.dtypes else cpu.warmup()
+    timings = cpu.warmup(args.dtypes or None, jobs=jobs)
     total = time.perf_counter() - t0
     for k, v in timings.items():
         print(f"  {k:40s} {v:7.2f} s")
-    print(f"warmup: {len(timings)} kernel groups compiled or loaded in {total:.2f} s")
+    print(f"warmup: {len(timings)} kernel groups compiled or loaded in {total:.2f} s"
+          + (f" ({jobs} processes)" if jobs > 1 else ""))
     return 0
 
 

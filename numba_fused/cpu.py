@@ -3182,52 +3182,85 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, dx, dweight, dbias):
     _SCRATCH.give(bparts, dbias)
 
 
-def warmup(dtypes=None, verbose=False):
+#: the warmup groups, costliest first (the order ``jobs`` hands them out in): the
+#: build, and the shape whose calls reach it; then the op
+WARMUP_BUILDS = (("parallel", (128, SERIAL_BELOW // 128 + 1)), ("serial", (1, 8)),
+                 ("blocked", (1, WIDE_FWD_COLS)))   # one long row: column-blocked norms,
+#                                                      long-row softmax forwards
+WARMUP_OPS = ("layer_norm", "rms_norm", "softmax")
+
+
+def warmup(dtypes=None, verbose=False, jobs=1):
     """Compile (or load from the on-disk cache) every CPU kernel for every dtype,
     parameter dtype and layout the dispatcher produces for contiguous inputs:
     serial and parallel builds, and the column-blocked norms.
-    Returns {"dtype/param-dtype/build": seconds}."""
-    import numba_fused as nf
+    Returns {"dtype/param-dtype/build": seconds}.
+
+    ``jobs`` > 1 compiles the groups (each op of each key) in that many spawned
+    processes into the on-disk cache, then loads them here; a key's seconds are
+    then its workers'. numba compiles one function at a time per process, and a
+    signature another process is compiling is waited for, not compiled twice
+    (``_cache``)."""
     from . import _dtypes as D
-    builds = (("serial", (1, 8)), ("parallel", (128, SERIAL_BELOW // 128 + 1)),
-              ("blocked", (1, WIDE_FWD_COLS)))     # one long row: column-blocked norms,
-    #                                                 long-row softmax forwards
+    names = [np.dtype(D.as_dtype(dt)).name for dt in (dtypes or D.SUPPORTED)]
+    groups = [(dt, build, pdt, op) for build, _ in WARMUP_BUILDS for op in WARMUP_OPS
+              for dt in names for pdt in sorted({dt, "float32"})
+              if op != "softmax" or pdt == dt]      # softmax has no weight
     timings = {}
-    for dtype in dtypes or D.SUPPORTED:
-        dtype = np.dtype(dtype)
-        rng = np.random.default_rng(0)
-        for build, shape in builds:
-            x = rng.standard_normal(shape).astype(dtype)
-            dy = rng.standard_normal(shape).astype(dtype)
-            for pdt in {dtype, D.float32}:
-                key = f"{dtype}/{pdt}/{build}"
-                t0 = time.perf_counter()
-                with forced(parallel=build != "serial"):
-                    _warm_calls(nf, x, dy, np.ones(shape[-1], pdt),
-                                softmax=build != "blocked")
-                if build == "blocked" and pdt == dtype:   # LONG: blocked, parallel, serial
-                    batch = np.repeat(x, max(2, _thread_count()), axis=0)
-                    for parallel, a in ((True, x), (True, batch), (False, x)):
-                        with forced(parallel):
-                            nf.softmax_fwd(a)
-                timings[key] = time.perf_counter() - t0
-                if verbose:
-                    print(f"  {key}: {timings[key]:.2f} s")
+    if jobs > 1 and len(groups) > 1:
+        import concurrent.futures
+        import multiprocessing
+        # spawn: a forked child of a process that ran parallel kernels runs them
+        # serially (the threading layer's pool does not survive a fork)
+        with concurrent.futures.ProcessPoolExecutor(
+                min(jobs, len(groups)), multiprocessing.get_context("spawn")) as ex:
+            futures = [(g, ex.submit(_warm_group, *g)) for g in groups]
+            for (dt, build, pdt, _), f in futures:
+                key = f"{dt}/{pdt}/{build}"
+                timings[key] = timings.get(key, 0.0) + f.result()
+    here = {}
+    for dt, build, pdt, op in groups:       # with jobs: loads what the workers compiled
+        key = f"{dt}/{pdt}/{build}"
+        here[key] = here.get(key, 0.0) + _warm_group(dt, build, pdt, op)
+    for key, seconds in here.items():
+        timings.setdefault(key, seconds)
+        if verbose:
+            print(f"  {key}: {timings[key]:.2f} s" + (" (workers)" if jobs > 1 else ""))
     return timings
 
 
-def _warm_calls(nf, x, dy, w, softmax=True):
-    """Every op and direction, with and without weight/bias, out= and in place."""
-    if softmax:
-        y = nf.softmax_fwd(x)
-        for out in (None, dy.copy()):      # and the in-place (out=dy) kernels
-            nf.softmax_bwd(y, dy if out is None else out, out=out)
-    for weight in (None, w):
-        y, rstd = nf.rms_norm_fwd(x, weight)
-        for out in (None, dy.copy()):
-            nf.rms_norm_bwd(dy if out is None else out, x, weight, rstd, out=out)
-        for bias in (None, w):
-            y, mean, rstd = nf.layer_norm_fwd(x, weight, bias)
-            for out in (None, dy.copy()):
-                nf.layer_norm_bwd(dy if out is None else out, x, weight, bias,
-                                  mean, rstd, out=out)
+def _warm_group(dtype, build, pdt, op):
+    """One op of one warmup key in this process (a ``jobs`` worker's task): every
+    direction, with and without weight/bias, out= and in place. Returns seconds."""
+    import numba_fused as nf
+    from . import _dtypes as D
+    dtype, pdt = D.as_dtype(dtype), D.as_dtype(pdt)
+    shape = dict(WARMUP_BUILDS)[build]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    w = np.ones(shape[-1], pdt)
+    t0 = time.perf_counter()
+    if op == "softmax" and build == "blocked":      # LONG: blocked, parallel, serial
+        batch = np.repeat(x, max(2, _thread_count()), axis=0)
+        for parallel, a in ((True, x), (True, batch), (False, x)):
+            with forced(parallel):
+                nf.softmax_fwd(a)
+        return time.perf_counter() - t0
+    with forced(parallel=build != "serial"):
+        if op == "softmax":
+            y = nf.softmax_fwd(x)
+            for out in (None, dy.copy()):      # and the in-place (out=dy) kernels
+                nf.softmax_bwd(y, dy if out is None else out, out=out)
+        for weight in (None, w) if op != "softmax" else ():
+            if op == "rms_norm":
+                y, rstd = nf.rms_norm_fwd(x, weight)
+                for out in (None, dy.copy()):
+                    nf.rms_norm_bwd(dy if out is None else out, x, weight, rstd, out=out)
+                continue
+            for bias in (None, w):
+                y, mean, rstd = nf.layer_norm_fwd(x, weight, bias)
+                for out in (None, dy.copy()):
+                    nf.layer_norm_bwd(dy if out is None else out, x, weight, bias,
+                                      mean, rstd, out=out)
+    return time.perf_counter() - t0

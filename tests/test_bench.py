@@ -322,16 +322,22 @@ def test_warmup_subcommand_reports_total(capsys, monkeypatch):
     from numba_fused import cpu
     calls = []
 
-    def fake(dtypes=None, verbose=False):
-        calls.append(dtypes)
+    def fake(dtypes=None, verbose=False, jobs=1):
+        calls.append((dtypes, jobs))
         return {"float32/float32/serial": 0.25, "float32/float32/parallel": 0.5}
     monkeypatch.setattr(cpu, "warmup", fake)
     assert cli.main(["warmup"]) == 0
     out = capsys.readouterr().out
     assert "float32/float32/parallel" in out and "warmup: 2 kernel groups" in out
     assert " s" in out.splitlines()[-1]
-    assert cli.main(["warmup", "--dtypes", "bf16"]) == 0
-    assert calls[-1] == ("bfloat16",)
+    assert calls[-1] == (None, cli.default_warmup_jobs())
+    assert 1 <= cli.default_warmup_jobs() <= cli.WARMUP_JOBS
+    assert cli.main(["warmup", "--dtypes", "bf16", "-j", "3"]) == 0
+    assert calls[-1] == (("bfloat16",), 3)
+    assert "(3 processes)" in capsys.readouterr().out
+    assert cli.main(["warmup", "--jobs", "1"]) == 0
+    assert calls[-1] == (None, 1) and "processes" not in capsys.readouterr().out
+    assert cli.main(["warmup", "--jobs", "0"]) == 2 and "--jobs" in capsys.readouterr().err
 
 
 def test_warmup_missing_is_reported(capsys, monkeypatch):

@@ -216,8 +216,9 @@ def crossed_cache_entries(cache):
 def test_processes_filling_one_empty_cache_at_once(tmp_path):
     """Processes filling one empty cache at once, two of them with one dtype and
     the others with other dtypes (other signatures of the same kernels): every
-    index entry names its own signature's code, and a later process of each dtype
-    loads all its kernels from the cache and computes the same bits."""
+    index entry names its own signature's code, one of the two compiles and the
+    other loads its kernels, and a later process of each dtype loads all its
+    kernels from the cache and computes the same bits."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     dtypes = CACHE_DTYPES + CACHE_DTYPES[:1]
@@ -229,6 +230,9 @@ def test_processes_filling_one_empty_cache_at_once(tmp_path):
         assert p.returncode == 0, err[-3000:]
     digests = [out.split()[0] for out, _ in outs]
     assert digests[0] == digests[-1] and len(set(digests)) == len(CACHE_DTYPES), digests
+    # the two processes of one dtype: one compiled, the other waited and loaded
+    misses = sorted(int(outs[k][0].split()[1]) for k in (0, -1))
+    assert misses[0] == 0 < misses[1], misses
     assert any((tmp_path / "cache").rglob("*.nbc")), "nothing was cached"
     assert crossed_cache_entries(tmp_path / "cache") == []
     for dtype, digest in zip(CACHE_DTYPES, digests):
@@ -337,11 +341,63 @@ def test_cache_follows_the_modules_inlined_into_kernels(tmp_path):
     assert run()[1] == 0                    # and cached again
 
 
-def test_warmup_reports_every_build():
-    timings = cpu.warmup(dtypes=[np.float32])
-    assert set(timings) == {"float32/float32/serial", "float32/float32/parallel",
-                            "float32/float32/blocked"}
-    assert all(t >= 0 for t in timings.values())
+def _kernel_misses():
+    """Signatures this process compiled (not loaded) so far, over cpu's kernels."""
+    from numba.core.registry import CPUDispatcher
+    kernels = [v for v in vars(cpu).values() if isinstance(v, CPUDispatcher)]
+    kernels += [d for v in vars(cpu).values() if isinstance(v, dict)
+                for d in v.values() if isinstance(d, CPUDispatcher)]
+    return sum(sum(k.stats.cache_misses.values()) for k in set(kernels))
+
+
+def test_warmup_compiles_in_worker_processes_and_loads_here():
+    """With jobs, spawned processes compile (or load) the groups into the on-disk
+    cache and this process loads every kernel from it: it compiles nothing. In
+    process (jobs=1), the same keys."""
+    keys = {"float32/float32/serial", "float32/float32/parallel", "float32/float32/blocked"}
+    before = _kernel_misses()
+    timings = cpu.warmup(dtypes=[np.float32], jobs=2)
+    assert set(timings) == keys and all(t > 0 for t in timings.values())
+    assert _kernel_misses() == before, "this process compiled what the workers had cached"
+    timings = cpu.warmup(dtypes=["float32"])
+    assert set(timings) == keys and all(t >= 0 for t in timings.values())
+
+
+_LOCK_CHILD = textwrap.dedent("""
+    from numba.core import errors, event
+    from numba_fused import _cache, cpu
+    held = []
+
+    class Seen(event.Listener):
+        def on_start(self, ev):
+            if ev.data["dispatcher"] is cpu._param_chunks:
+                held.append(len(_cache._held))
+
+        def on_end(self, ev):
+            pass
+
+    with event.install_listener("numba:compile", Seen()):
+        cpu._param_chunks(7, 9)
+        after_saved = len(_cache._held)
+        try:
+            cpu._param_chunks(1j, "cols")
+        except errors.TypingError:
+            pass
+        after_failed = len(_cache._held)
+    print(held, after_saved, after_failed)
+""")
+
+
+def test_a_compile_holds_its_entry_lock_until_saved_or_failed(tmp_path):
+    """A kernel signature missing from the cache is compiled under its entry's lock
+    (other processes wait for it and load it), released once the entry is saved,
+    and also when the compile fails (else the others would wait COMPILE_WAIT_S)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _LOCK_CHILD], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["[1,", "1]", "0", "0"], p.stdout
 
 
 _LAZY_CHILD = textwrap.dedent("""
