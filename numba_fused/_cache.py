@@ -25,6 +25,7 @@ of a job starting on an empty cache compiled every kernel itself (``numba-fused
 warmup -j N`` relies on it: its workers share the drivers' out-of-line callees).
 """
 import contextlib
+import errno
 import hashlib
 import os
 import pickle
@@ -174,11 +175,13 @@ def _lock_fd(path):
 
 
 def _try_lock(fd, byte):
+    """True: locked; False: another process holds it; None: no locks here (an
+    error other than "held", say ENOLCK on a network file system: do not wait)."""
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte)
         return True
-    except OSError:
-        return False
+    except OSError as e:
+        return False if e.errno in (errno.EACCES, errno.EAGAIN) else None
 
 
 class _CompileOnce:
@@ -195,16 +198,19 @@ class _CompileOnce:
         if fd is None:
             return None
         byte = int(self._cache_file.data_name(key).rsplit(".", 2)[-2][:12], 16)
-        if not _try_lock(fd, byte):
+        locked = _try_lock(fd, byte)
+        if locked is False:                 # another process is compiling it
             deadline = time.monotonic() + COMPILE_WAIT_S
-            while not _try_lock(fd, byte):
-                if time.monotonic() > deadline:
-                    return None             # compile it here, unlocked
+            while locked is False and time.monotonic() < deadline:
                 time.sleep(_POLL_S)
-            data = super().load_overload(sig, target_context)    # the other's entry
-            if data is not None:
-                fcntl.lockf(fd, fcntl.LOCK_UN, 1, byte)
-                return data
+                locked = _try_lock(fd, byte)
+            if locked:
+                data = super().load_overload(sig, target_context)    # its entry
+                if data is not None:
+                    fcntl.lockf(fd, fcntl.LOCK_UN, 1, byte)
+                    return data
+        if not locked:          # no locks here, or waited too long: compile unlocked
+            return None
         with _held_mutex:
             _held[(id(self), key)] = (fd, byte)
         return None

@@ -400,6 +400,62 @@ def test_a_compile_holds_its_entry_lock_until_saved_or_failed(tmp_path):
     assert p.stdout.split() == ["[1,", "1]", "0", "0"], p.stdout
 
 
+_HOLDER_CHILD = textwrap.dedent("""
+    import sys, time
+    from numba_fused import _cache, cpu
+    _cache.KeyedDataCacheFile.save = lambda self, key, data: None     # saves nothing
+    _cache._CompileOnce._release = lambda self, which: None           # and keeps the lock
+    cpu._param_chunks(7, 9)
+    print("held", flush=True)
+    time.sleep(float(sys.argv[1]))
+""")
+
+_WAITER_CHILD = textwrap.dedent("""
+    import time
+    from numba_fused import _cache, cpu
+    _cache.COMPILE_WAIT_S = 2.0
+    t0 = time.monotonic()
+    cpu._param_chunks(7, 9)
+    st = cpu._param_chunks.stats
+    print(round(time.monotonic() - t0, 1), sum(st.cache_misses.values()), len(_cache._held))
+""")
+
+
+def test_a_process_stuck_in_a_compile_delays_others_by_compile_wait_s_at_most(tmp_path):
+    """Another process holds an entry's lock and never saves it: a process missing
+    that entry waits COMPILE_WAIT_S, then compiles it itself, unlocked."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER_CHILD, "120"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read()[-3000:]
+        p = subprocess.run([sys.executable, "-c", _WAITER_CHILD], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+        waited, misses, held = p.stdout.split()
+        assert float(waited) >= 2.0 and misses == "1" and held == "0", p.stdout
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_lock_errors_other_than_held_do_not_wait(monkeypatch):
+    """EACCES/EAGAIN: another process holds the entry (wait); any other error, as
+    ENOLCK on a file system without locks: compile without waiting."""
+    import errno
+    from numba_fused import _cache
+
+    def lockf(err):
+        def f(*args):
+            raise OSError(err, os.strerror(err))
+        return f
+    for err, expected in ((errno.EAGAIN, False), (errno.EACCES, False),
+                          (errno.ENOLCK, None), (errno.EBADF, None)):
+        monkeypatch.setattr(_cache.fcntl, "lockf", lockf(err))
+        assert _cache._try_lock(0, 1) is expected, err
+
+
 _LAZY_CHILD = textwrap.dedent("""
     import sys, numpy as np, numba_fused as nf
     y = nf.softmax_fwd(np.arange(12, dtype=np.float32).reshape(3, 4))
