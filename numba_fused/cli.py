@@ -276,7 +276,8 @@ def cmd_bench(args, argv):
     return 0
 
 
-#: the most processes ``warmup`` starts by default (each holds a compiler: ~0.3-0.5 GB)
+#: the most processes ``warmup`` starts by default (each runs a compiler: the larger
+#: of two float32 workers peaked at 0.9 GB resident, 2026-12-07)
 WARMUP_JOBS = 8
 
 

@@ -3200,7 +3200,8 @@ def warmup(dtypes=None, verbose=False, jobs=1):
     processes into the on-disk cache, then loads them here; a key's seconds are
     then its workers'. numba compiles one function at a time per process, and a
     signature another process is compiling is waited for, not compiled twice
-    (``_cache``)."""
+    (``_cache``). The workers are spawned: from a script, call it under
+    ``if __name__ == "__main__":`` (``numba-fused warmup -j N`` needs nothing)."""
     from . import _dtypes as D
     names = [np.dtype(D.as_dtype(dt)).name for dt in (dtypes or D.SUPPORTED)]
     groups = [(dt, build, pdt, op) for build, _ in WARMUP_BUILDS for op in WARMUP_OPS
