@@ -517,13 +517,9 @@ def lanes_store(typingctx, arr, c, v, k):
     return types.void(arr, types.intp, v, types.intp), codegen
 
 
-@intrinsic
-def prefetch(typingctx, arr, c):
-    """Prefetch the two cache lines from &arr[c] (a hint: never faults, even past
-    the array's end, and never changes a result)."""
-    if not (_is_lanes_array(arr) and isinstance(c, types.Integer)):
-        return None
-
+def _prefetch_codegen(locality):
+    """Codegen of ``prefetch``/``prefetch_l2``: llvm.prefetch (read) of the two cache
+    lines from &arr[c] with LLVM's locality hint (3: prefetcht0, 2: prefetcht1)."""
     def codegen(context, builder, sig, args):
         ptr = builder.bitcast(_elem_pointer(context, builder, sig.args[0], *args, inbounds=False),
                               ir.IntType(8).as_pointer())
@@ -533,9 +529,28 @@ def prefetch(typingctx, arr, c):
             "llvm.prefetch.p0")
         for offset in (0, 64):
             p = builder.gep(ptr, [ir.Constant(ir.IntType(64), offset)])
-            builder.call(fn, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            builder.call(fn, [p, ir.Constant(i32, 0), ir.Constant(i32, locality),
+                              ir.Constant(i32, 1)])
         return context.get_dummy_value()
-    return types.void(arr, types.intp), codegen
+    return codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, c):
+    """Prefetch the two cache lines from &arr[c] into the L1 (prefetcht0; a hint:
+    never faults, even past the array's end, and never changes a result)."""
+    if not (_is_lanes_array(arr) and isinstance(c, types.Integer)):
+        return None
+    return types.void(arr, types.intp), _prefetch_codegen(3)
+
+
+@intrinsic
+def prefetch_l2(typingctx, arr, c):
+    """``prefetch`` into the L2, not the L1 (prefetcht1): for lines wanted a few
+    rows from now, which in the L1 would evict the rows in use."""
+    if not (_is_lanes_array(arr) and isinstance(c, types.Integer)):
+        return None
+    return types.void(arr, types.intp), _prefetch_codegen(2)
 
 
 @intrinsic

@@ -54,6 +54,7 @@ from ._dtypes import acc, acc_numba_type, narrow, widen
 from ._lanes import (lanes_keep, lanes_load, lanes_load_like, lanes_max, lanes_store, prefetch,
                      lanes_count, lanes_sum, lanes_zeros, wide_lanes_zeros)
 from ._lanes import data as _data
+from ._lanes import prefetch_l2
 from ._lanes import stream_head, stream_parts, streaming
 from ._vecmath import _fma, _fms, fexp_nonpos, fmax_skipnan
 
@@ -913,27 +914,29 @@ def _softmax_bwd_rows(y, dy, dx, lo, hi, shared):
             _softmax_bwd_store(yr, dyr, _softmax_bwd_dot(yr, dyr), _row_at(dx, r), stream)
         return
     dot = _softmax_bwd_dot(_row_at(y, lo), _row_at(dy, lo))
+    ahead = _ahead(y, 1)
     for r in range(lo, hi - 1):
         dyc = _row_at(dy, r)
         dot = _softmax_bwd_stage_at(
             y.shape[2], _data(_row_at(y, r + 1)), _data(_row_at(dy, r + 1)),
             _data(_row_at(y, r)), _data(dyc), dot,
-            _target(_row_at(dx, r), dyc, stream), acc(y, 0.0))
+            _target(_row_at(dx, r), dyc, stream), acc(y, 0.0), ahead)
     _softmax_bwd_store(_row_at(y, hi - 1), _row_at(dy, hi - 1), dot, _row_at(dx, hi - 1),
                        stream)
 
 
 @_lanes_fn
-def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero):
+def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero, ahead):
     """Stores dxc = yc * (dyc - dot) and returns sum(dya * ya) (as ``_grad_sums``;
-    long rows by blocks), on data pointers (see ``_lanes_fn``)."""
+    long rows by blocks), on data pointers (see ``_lanes_fn``); prefetches ya and
+    dya ``ahead`` elements on (see PREFETCH_L2_BYTES)."""
     _aligned_frame()
     if n < WIDE_COLS:
-        return _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, 0, n)
+        return _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, 0, n, ahead)
     total = acc(ya, -0.0)
     for c0 in range(0, n, WIDE_BLOCK):
         total += _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0,
-                                         min(n, c0 + WIDE_BLOCK))
+                                         min(n, c0 + WIDE_BLOCK), ahead)
     return total
 
 
@@ -944,7 +947,7 @@ STAGE_HEAD_BYTES = 3 << 10
 
 
 @_row
-def _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0, c1):
+def _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0, c1, ahead):
     """Columns c0..c1-1 of the stage. A streamed dxc that starts off a cache line
     stores its first ``stream_head`` columns on their own and its whole blocks from
     there, on lines (streamed), h columns ahead of the sums' blocks, which keep the
@@ -966,6 +969,8 @@ def _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0, c1):
     for c in range(c0, c0 + whole * step, step):
         _prefetch_halves(ya, c + PREFETCH_AHEAD)
         _prefetch_halves(dya, c + PREFETCH_AHEAD)
+        prefetch_l2(ya, c + ahead)
+        prefetch_l2(dya, c + ahead)
         _softmax_bwd_block(yc, dyc, dot, dxc, h + c, step)
         s, g = _grad_sums_block(dya, None, ya, zero, s, g, c, step)
     if n // step > whole:
@@ -997,28 +1002,30 @@ def _rms_norm_store(x, weight, rstd, y):
 
 
 @_row
-def _rms_norm_fwd_stage(xa, xc, weight, rstd, yc):
+def _rms_norm_fwd_stage(xa, xc, weight, rstd, yc, ahead):
     """One pass of the pipelined forward (``_rms_norm_fwd_rows``): returns
     sum(xa**2) and stores yc = xc * rstd * weight."""
     return _rms_norm_fwd_stage_at(xa.shape[0], _data(xa), _data(xc), _data(weight), rstd,
-                                  _data(yc))
+                                  _data(yc), ahead)
 
 
 @_lanes_fn
-def _rms_norm_fwd_stage_at(n, xa, xc, weight, rstd, yc):
+def _rms_norm_fwd_stage_at(n, xa, xc, weight, rstd, yc, ahead):
     """``_rms_norm_fwd_stage`` on data pointers (see ``_lanes_fn``); the sum of a
-    long row by blocks (see WIDE_COLS)."""
+    long row by blocks (see WIDE_COLS); float32/float64 prefetch xa ``ahead``
+    elements on (see PREFETCH_L2_BYTES)."""
     _aligned_frame()
     if n < WIDE_COLS:
-        return _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, 0, n)
+        return _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, 0, n, ahead)
     ss = acc(xa, -0.0)
     for c0 in range(0, n, WIDE_BLOCK):
-        ss += _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, min(n, c0 + WIDE_BLOCK))
+        ss += _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, min(n, c0 + WIDE_BLOCK),
+                                       ahead)
     return ss
 
 
 @_row
-def _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, c1):
+def _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, c1, ahead):
     """Columns c0..c1-1 of the stage. A float32/float64 yc that streams and starts
     off a cache line stores its first ``stream_head`` columns on their own and its
     whole blocks from there, on lines (streamed), h columns ahead of the sums'
@@ -1045,6 +1052,7 @@ def _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, c1):
         _rms_norm_fwd_store(xc, weight, rstd, yc, c0, h)
     whole = (n - h) // step
     for c in range(c0, c0 + whole * step, step):
+        _prefetch_wide(xa, c + ahead)
         ss = _rms_norm_fwd_sum(xa, ss, c, step)
         _rms_norm_fwd_store(xc, weight, rstd, yc, h + c, step)
     if n // step > whole:
@@ -1103,10 +1111,11 @@ def _rms_norm_fwd_rows(x, weight, eps, y, rstd, lo, hi):
     rc = _rms_norm_rstd(_row_at(x, lo), _sum_sq(_row_at(x, lo), acc(x, 0.0))[0], eps)
     rstd[lo] = rc
     stream = _streams(y)
+    ahead = _ahead(x, 1)
     for r in range(lo, hi - 1):
         xa = _row_at(x, r + 1)
         ss = _rms_norm_fwd_stage(xa, _row_at(x, r), weight, rc,
-                                 streaming(_row_at(y, r), stream))
+                                 streaming(_row_at(y, r), stream), ahead)
         rc = _rms_norm_rstd(xa, ss, eps)
         rstd[r + 1] = rc
     _rms_norm_store(_row_at(x, hi - 1), weight, rc, _row_at(y, hi - 1))
@@ -1148,12 +1157,13 @@ def _rms_norm_fwd_pairs(x, weight, eps, y, rstd, lo, hi):
         rstd[r] = _rms_norm_rstd(_row_at(x, r), _sum_sq(_row_at(x, r), acc(x, 0.0))[0], eps)
     r = lo
     stream = _streams(y)
+    ahead = _ahead(x, 2)
     while r + 3 < hi:
         s0, s1 = _rms_norm_fwd_stage2_at(
             x.shape[2], _data(_row_at(x, r + 2)), _data(_row_at(x, r + 3)),
             _data(_row_at(x, r)), _data(_row_at(x, r + 1)), _data(weight),
             acc(x, rstd[r]), acc(x, rstd[r + 1]), streaming(_row_at(y, r), stream),
-            streaming(_row_at(y, r + 1), stream))
+            streaming(_row_at(y, r + 1), stream), ahead)
         rstd[r + 2] = _rms_norm_rstd(_row_at(x, r + 2), s0, eps)
         rstd[r + 3] = _rms_norm_rstd(_row_at(x, r + 3), s1, eps)
         r += 2
@@ -1165,29 +1175,32 @@ def _rms_norm_fwd_pairs(x, weight, eps, y, rstd, lo, hi):
 
 
 @_lanes_fn
-def _rms_norm_fwd_stage2_at(n, xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1):
+def _rms_norm_fwd_stage2_at(n, xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, ahead):
     """Two rows' ``_rms_norm_fwd_stage_at`` in one pass (``_rms_norm_fwd_pairs``):
     stores yc0, yc1 and returns the sums of squares of xa0, xa1, long rows by the
     same blocks (see WIDE_COLS)."""
     _aligned_frame()
     _no_alias_args("xa0 xa1 xc0 xc1 weight")
     if n < WIDE_COLS:
-        return _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, 0, n)
+        return _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, 0, n,
+                                   ahead)
     s0 = s1 = acc(xa0, -0.0)
     for c0 in range(0, n, WIDE_BLOCK):
         a, b = _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, c0,
-                                   min(n, c0 + WIDE_BLOCK))
+                                   min(n, c0 + WIDE_BLOCK), ahead)
         s0, s1 = s0 + a, s1 + b
     return s0, s1
 
 
 @_row
-def _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, c0, c1):
+def _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, c0, c1, ahead):
     s0 = s1 = lanes_zeros(xa0)
     step = lanes_count(s0)
     for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(xa0, c + PREFETCH_AHEAD)
         _prefetch_halves(xa1, c + PREFETCH_AHEAD)
+        _prefetch_wide(xa0, c + ahead)
+        _prefetch_wide(xa1, c + ahead)
         s0 = _rms_norm_fwd_block(xa0, xc0, weight, rstd0, yc0, s0, c, step)
         s1 = _rms_norm_fwd_block(xa1, xc1, weight, rstd1, yc1, s1, c, step)
     if (c1 - c0) % step:
@@ -1279,35 +1292,38 @@ def _layer_norm_stats(x, sums, inv_cols, eps):
 
 
 @_row
-def _layer_norm_fwd_stage(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
+def _layer_norm_fwd_stage(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, ahead):
     """One pass of the pipelined forward (``_layer_norm_fwd_rows``): returns
     _moments(xa, m0, inv_cols) and stores yc = (xc - mean) * rstd * weight + bias."""
     return _layer_norm_fwd_stage_at(xa.shape[0], _data(xa), m0, inv_cols, _data(xc),
-                                    _data(weight), _data(bias), mean, rstd, _data(yc))
+                                    _data(weight), _data(bias), mean, rstd, _data(yc), ahead)
 
 
 @_lanes_fn
-def _layer_norm_fwd_stage_at(n, xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc):
+def _layer_norm_fwd_stage_at(n, xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, ahead):
     """``_layer_norm_fwd_stage`` on data pointers (see ``_lanes_fn``); the sums of a
-    long row by blocks (see WIDE_COLS)."""
+    long row by blocks (see WIDE_COLS); float32/float64 prefetch xa ``ahead``
+    elements on (see PREFETCH_L2_BYTES)."""
     _aligned_frame()
     if n < WIDE_COLS:
         return _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc,
-                                          0, n)
+                                          0, n, ahead)
     sm = ss = sd = acc(xa, -0.0)
     for c0 in range(0, n, WIDE_BLOCK):
         a, b, d = _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
-                                             yc, c0, min(n, c0 + WIDE_BLOCK))
+                                             yc, c0, min(n, c0 + WIDE_BLOCK), ahead)
         sm, ss, sd = sm + a, ss + b, sd + d
     return sm, ss, sd
 
 
 @_row
-def _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, c0, c1):
+def _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, c0, c1,
+                               ahead):
     sm = ss = sd = lanes_zeros(xa)
     step = lanes_count(ss)
     for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(xa, c + PREFETCH_AHEAD)
+        _prefetch_wide(xa, c + ahead)
         sm, ss, sd = _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
                                            yc, sm, ss, sd, c, step)
     if (c1 - c0) % step:
@@ -1356,10 +1372,12 @@ def _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, lo, hi):
     mc, rc = _layer_norm_stats(xa, _moments(xa, _layer_norm_shift(xa), inv_cols), inv_cols,
                                eps)
     mean[lo], rstd[lo] = mc, rc
+    ahead = _ahead(x, 1)
     for r in range(lo, hi - 1):
         xa = _row_at(x, r + 1)
         sums = _layer_norm_fwd_stage(xa, _layer_norm_shift(xa), inv_cols, _row_at(x, r),
-                                     weight, bias, mc, rc, _fwd_stream(_row_at(y, r), stream))
+                                     weight, bias, mc, rc, _fwd_stream(_row_at(y, r), stream),
+                                     ahead)
         mc, rc = _layer_norm_stats(xa, sums, inv_cols, eps)
         mean[r + 1], rstd[r + 1] = mc, rc
     _layer_norm_store(_row_at(x, hi - 1), weight, bias, mc, rc, _row_at(y, hi - 1))
@@ -1420,6 +1438,7 @@ def _layer_norm_fwd_pairs(x, weight, bias, eps, y, mean, rstd, lo, hi):
             xa, _moments(xa, _layer_norm_shift(xa), inv_cols), inv_cols, eps)
     r = lo
     stream = _streams(y)
+    ahead = _ahead(x, 2)
     while r + 3 < hi:
         xa0, xa1 = _row_at(x, r + 2), _row_at(x, r + 3)
         s = _layer_norm_fwd_stage2_at(
@@ -1427,7 +1446,7 @@ def _layer_norm_fwd_pairs(x, weight, bias, eps, y, mean, rstd, lo, hi):
             _layer_norm_shift(xa1), inv_cols, _data(_row_at(x, r)), _data(_row_at(x, r + 1)),
             _data(weight), _data(bias), acc(x, mean[r]), acc(x, rstd[r]),
             acc(x, mean[r + 1]), acc(x, rstd[r + 1]), _fwd_stream(_row_at(y, r), stream),
-            _fwd_stream(_row_at(y, r + 1), stream))
+            _fwd_stream(_row_at(y, r + 1), stream), ahead)
         mean[r + 2], rstd[r + 2] = _layer_norm_stats(xa0, (s[0], s[1], s[2]), inv_cols, eps)
         mean[r + 3], rstd[r + 3] = _layer_norm_stats(xa1, (s[3], s[4], s[5]), inv_cols, eps)
         r += 2
@@ -1442,7 +1461,7 @@ def _layer_norm_fwd_pairs(x, weight, bias, eps, y, mean, rstd, lo, hi):
 
 @_lanes_fn
 def _layer_norm_fwd_stage2_at(n, xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias,
-                              mean0, rstd0, mean1, rstd1, yc0, yc1):
+                              mean0, rstd0, mean1, rstd1, yc0, yc1, ahead):
     """Two rows' ``_layer_norm_fwd_stage_at`` in one pass (``_layer_norm_fwd_pairs``):
     stores yc0, yc1 and returns the shifted sums of xa0 (about m00), then of xa1
     (about m01), long rows by the same blocks (see WIDE_COLS)."""
@@ -1450,25 +1469,27 @@ def _layer_norm_fwd_stage2_at(n, xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight,
     _no_alias_args("xa0 xa1 xc0 xc1 weight bias")
     if n < WIDE_COLS:
         return _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias,
-                                     mean0, rstd0, mean1, rstd1, yc0, yc1, 0, n)
+                                     mean0, rstd0, mean1, rstd1, yc0, yc1, 0, n, ahead)
     z = acc(xa0, -0.0)
     s = (z, z, z, z, z, z)
     for c0 in range(0, n, WIDE_BLOCK):
         t = _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias,
                                   mean0, rstd0, mean1, rstd1, yc0, yc1, c0,
-                                  min(n, c0 + WIDE_BLOCK))
+                                  min(n, c0 + WIDE_BLOCK), ahead)
         s = (s[0] + t[0], s[1] + t[1], s[2] + t[2], s[3] + t[3], s[4] + t[4], s[5] + t[5])
     return s
 
 
 @_row
 def _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias, mean0, rstd0,
-                          mean1, rstd1, yc0, yc1, c0, c1):
+                          mean1, rstd1, yc0, yc1, c0, c1, ahead):
     sm0 = ss0 = sd0 = sm1 = ss1 = sd1 = lanes_zeros(xa0)
     step = lanes_count(sm0)
     for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(xa0, c + PREFETCH_AHEAD)
         _prefetch_halves(xa1, c + PREFETCH_AHEAD)
+        _prefetch_wide(xa0, c + ahead)
+        _prefetch_wide(xa1, c + ahead)
         sm0, ss0, sd0 = _layer_norm_fwd_block(xa0, m00, inv_cols, xc0, weight, bias, mean0,
                                               rstd0, yc0, sm0, ss0, sd0, c, step)
         sm1, ss1, sd1 = _layer_norm_fwd_block(xa1, m01, inv_cols, xc1, weight, bias, mean1,
@@ -1557,6 +1578,7 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
                                       _stat(x, mean, lo), acc(x, rstd[lo]))
     k, start, end = k0, lo, _chunk_rows(k0, rows, chunks)[1]
     stream = _streams(dx)
+    ahead = _ahead(x, 1)
     for r in range(lo, hi - 1):
         if r == end:             # row r opens chunk k + 1
             k, start, end = k + 1, r, _chunk_rows(k + 1, rows, chunks)[1]
@@ -1567,7 +1589,7 @@ def _norm_bwd_rows(dy, x, weight, mean, rstd, dx, wparts, bparts, chunks, k0, k1
             _target(_row_at(dx, r), dyc, stream),
             _data(_row_of(wparts, k)), _data(_row_of(bparts, k)), r == start,
             _data(_row_at(dy, r + 1)), _data(_row_at(x, r + 1)),
-            _stat(x, mean, r + 1))
+            _stat(x, mean, r + 1), ahead)
         dot, gmean = acc(x, rstd[r + 1]) * s * inv_cols, g * inv_cols
     if hi - 1 == end:
         k, start = k + 1, hi - 1
@@ -1641,6 +1663,7 @@ def _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end):
     d1, m1 = _layer_norm_bwd_sums(_row_at(dy, start + 1), _row_at(x, start + 1), weight,
                                   _stat(x, mean, start + 1), acc(x, rstd[start + 1]))
     r = start
+    ahead = _ahead(x, 2)
     while r + 3 < end:
         dy0, dy1 = _row_at(dy, r), _row_at(dy, r + 1)
         s0, g0, s1, g1 = _norm_bwd_stage2_at(
@@ -1651,7 +1674,7 @@ def _norm_bwd_pairs(dy, x, weight, mean, rstd, dx, wpart, bpart, start, end):
             _target(_row_at(dx, r + 1), dy1, stream),
             _data(wpart), _data(bpart), r == start,
             _data(_row_at(dy, r + 2)), _data(_row_at(x, r + 2)), _stat(x, mean, r + 2),
-            _data(_row_at(dy, r + 3)), _data(_row_at(x, r + 3)), _stat(x, mean, r + 3))
+            _data(_row_at(dy, r + 3)), _data(_row_at(x, r + 3)), _stat(x, mean, r + 3), ahead)
         d0, m0 = acc(x, rstd[r + 2]) * s0 * inv_cols, g0 * inv_cols
         d1, m1 = acc(x, rstd[r + 3]) * s1 * inv_cols, g1 * inv_cols
         r += 2
@@ -1701,7 +1724,7 @@ def _norm_bwd_row_at(n, dy, x, weight, mean, rstd, inv_cols, dx, dweight, dbias,
 @_lanes_fn
 def _norm_bwd_stage2_at(n, dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0,
                         meanc1, rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias, first,
-                        dya0, xa0, meana0, dya1, xa1, meana1):
+                        dya0, xa0, meana0, dya1, xa1, meana1, ahead):
     """Two rows' ``_norm_bwd_stage_at`` in one pass (``_norm_bwd_pairs``): stores
     rows c0 and c1 (c0's terms into the partials first, ``first`` for c0 only) and
     returns the sums of rows a0 and a1, long rows by the same blocks (WIDE_COLS)."""
@@ -1710,13 +1733,14 @@ def _norm_bwd_stage2_at(n, dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, 
     if n < WIDE_COLS:
         return _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0,
                                meanc1, rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias,
-                               first, dya0, xa0, meana0, dya1, xa1, meana1, 0, n)
+                               first, dya0, xa0, meana0, dya1, xa1, meana1, 0, n, ahead)
     z = acc(xc0, -0.0)
     t = (z, z, z, z)
     for c0 in range(0, n, WIDE_BLOCK):
         u = _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0,
                             meanc1, rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias, first,
-                            dya0, xa0, meana0, dya1, xa1, meana1, c0, min(n, c0 + WIDE_BLOCK))
+                            dya0, xa0, meana0, dya1, xa1, meana1, c0, min(n, c0 + WIDE_BLOCK),
+                            ahead)
         t = (t[0] + u[0], t[1] + u[1], t[2] + u[2], t[3] + u[3])
     return t
 
@@ -1724,10 +1748,14 @@ def _norm_bwd_stage2_at(n, dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, 
 @_row
 def _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0, meanc1,
                     rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias, first, dya0, xa0,
-                    meana0, dya1, xa1, meana1, c0, c1):
+                    meana0, dya1, xa1, meana1, c0, c1, ahead):
     s0 = g0 = s1 = g1 = lanes_zeros(xc0)
     step = lanes_count(s0)
     for c in range(c0, c1 - step + 1, step):
+        prefetch_l2(dya0, c + ahead)
+        prefetch_l2(xa0, c + ahead)
+        prefetch_l2(dya1, c + ahead)
+        prefetch_l2(xa1, c + ahead)
         _norm_bwd_block(dyc0, xc0, weight, meanc0, rstdc0, dotc0, gmeanc0, dxc0, dweight, dbias,
                         first, c, step)
         _norm_bwd_block(dyc1, xc1, weight, meanc1, rstdc1, dotc1, gmeanc1, dxc1, dweight, dbias,
@@ -1754,7 +1782,7 @@ def _chunk_rows(k, rows, chunks):
 
 @_lanes_fn
 def _norm_bwd_stage_at(n, dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight, dbias,
-                       first, dya, xa, meana):
+                       first, dya, xa, meana, ahead):
     """The stage of ``_norm_bwd_rows`` on data pointers (see ``_lanes_fn``): stores
     row c (dx, the partials) and returns (sum(g * (xa - meana)), sum(g)) of row a,
     long rows by blocks (see WIDE_COLS). meanc/meana None: RMSNorm's (no
@@ -1764,23 +1792,26 @@ def _norm_bwd_stage_at(n, dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dwei
     _no_alias_args("xc weight dweight dbias dya xa")
     if n < WIDE_COLS:
         return _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight,
-                                    dbias, first, dya, xa, meana, 0, n)
+                                    dbias, first, dya, xa, meana, 0, n, ahead)
     s = g = acc(xc, -0.0)
     for c0 in range(0, n, WIDE_BLOCK):
         t, u = _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight,
-                                    dbias, first, dya, xa, meana, c0, min(n, c0 + WIDE_BLOCK))
+                                    dbias, first, dya, xa, meana, c0, min(n, c0 + WIDE_BLOCK),
+                                    ahead)
         s, g = s + t, g + u
     return s, g
 
 
 @_row
 def _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight, dbias,
-                         first, dya, xa, meana, c0, c1):
+                         first, dya, xa, meana, c0, c1, ahead):
     s = g = lanes_zeros(xc)
     step = lanes_count(s)
     for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(dya, c + PREFETCH_AHEAD)
         _prefetch_halves(xa, c + PREFETCH_AHEAD)
+        prefetch_l2(dya, c + ahead)
+        prefetch_l2(xa, c + ahead)
         _norm_bwd_block(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight, dbias,
                         first, c, step)
         s, g = _grad_sums_block(dya, weight, xa, meana, s, g, c, step)
@@ -1984,6 +2015,53 @@ def _prefetch_halves_impl(a, c):
     if a.dtype in (types.int16, types.uint16):
         return lambda a, c: prefetch(a, c)
     return lambda a, c: None
+
+
+#: the pipelined stages' read streams (the rows they sum, from memory) are
+#: prefetched into the L2 (``prefetch_l2``) at least this many bytes ahead
+#: (``_ahead``). Why: a stage mixes those streams with rows it re-reads from the
+#: caches and a streamed store, and on its own a core kept too few lines in
+#: flight, so the sums waited on memory while the store's arithmetic waited on
+#: them. ab.py --evict 64 against none, AMD EPYC, 2 threads, 2026-12-07, float32:
+#: layer_norm bwd 4096x4096 1.14-1.17x, 8192x2048 1.39-1.49x, 2048x8192
+#: 1.08-1.10x, rms_norm bwd 1.10-1.16x / 1.30-1.34x / 1.10-1.14x, softmax bwd
+#: 1.10-1.25x (1024x16384 1.14x), layer_norm fwd 1.19-1.23x at 4096x4096,
+#: rms_norm fwd 1.09-1.17x; float64 bwds 1.04-1.11x; bfloat16 bwds 1.06-1.33x at
+#: 4096x4096, 65536x1024 norm bwds 1.13-1.15x. Into the L1 (prefetcht0) instead:
+#: 0.94-0.97x; non-temporal (prefetchnta): 0.96-1.03x. 16 KiB ahead: 1.10-1.14x
+#: at 4096x4096, 64 KiB: 1.11-1.18x. Not the float16/bfloat16 forwards, bound by
+#: their arithmetic (layer_norm fwd 0.92-0.97x at 1024-2048 columns), nor the
+#: softmax forward (float32 0.87-1.00x: its exp, not memory, sets its pace), nor
+#: the row paths' store passes (the next rows prefetched there: 0.86-1.05x).
+PREFETCH_L2_BYTES = 1 << 15
+
+
+@njit(inline='always')
+def _ahead(a, per):
+    """Elements from a stage's column c to the one it prefetches, in a stage that
+    sums ``per`` rows of ``a`` a pass: PREFETCH_L2_BYTES ahead in the same row on
+    rows of twice that and more; else the rows as many passes ahead as cover it
+    (so a two-row stage never prefetches its other row, which it is reading),
+    by a's row stride (a hint: on a layout whose rows are not evenly spaced it
+    may fetch lines no stage reads, which changes no result)."""
+    row = a.shape[2] * a.itemsize
+    if row >= 2 * PREFETCH_L2_BYTES:
+        return PREFETCH_L2_BYTES // a.itemsize
+    passes = (PREFETCH_L2_BYTES + per * row - 1) // (per * row)
+    return passes * per * (a.strides[1] // a.itemsize)
+
+
+def _prefetch_wide(a, c):
+    """``prefetch_l2(a, c)`` for float32/float64 rows, nothing for float16/bfloat16
+    (the forwards' stages: see PREFETCH_L2_BYTES)."""
+    raise NotImplementedError
+
+
+@overload(_prefetch_wide)
+def _prefetch_wide_impl(a, c):
+    if a.dtype in (types.int16, types.uint16):
+        return lambda a, c: None
+    return lambda a, c: prefetch_l2(a, c)
 
 
 def _scratch_elems(y, x, n):
