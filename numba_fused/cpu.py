@@ -969,8 +969,8 @@ def _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, c0, c1, ahead):
     for c in range(c0, c0 + whole * step, step):
         _prefetch_halves(ya, c + PREFETCH_AHEAD)
         _prefetch_halves(dya, c + PREFETCH_AHEAD)
-        prefetch_l2(ya, c + ahead)
-        prefetch_l2(dya, c + ahead)
+        _prefetch_ahead(ya, c, ahead)
+        _prefetch_ahead(dya, c, ahead)
         _softmax_bwd_block(yc, dyc, dot, dxc, h + c, step)
         s, g = _grad_sums_block(dya, None, ya, zero, s, g, c, step)
     if n // step > whole:
@@ -1052,7 +1052,7 @@ def _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, c0, c1, ahead):
         _rms_norm_fwd_store(xc, weight, rstd, yc, c0, h)
     whole = (n - h) // step
     for c in range(c0, c0 + whole * step, step):
-        _prefetch_wide(xa, c + ahead)
+        _prefetch_wide(xa, c, ahead)
         ss = _rms_norm_fwd_sum(xa, ss, c, step)
         _rms_norm_fwd_store(xc, weight, rstd, yc, h + c, step)
     if n // step > whole:
@@ -1199,8 +1199,8 @@ def _rms_norm_fwd_span2(xa0, xa1, xc0, xc1, weight, rstd0, rstd1, yc0, yc1, c0, 
     for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(xa0, c + PREFETCH_AHEAD)
         _prefetch_halves(xa1, c + PREFETCH_AHEAD)
-        _prefetch_wide(xa0, c + ahead)
-        _prefetch_wide(xa1, c + ahead)
+        _prefetch_wide(xa0, c, ahead)
+        _prefetch_wide(xa1, c, ahead)
         s0 = _rms_norm_fwd_block(xa0, xc0, weight, rstd0, yc0, s0, c, step)
         s1 = _rms_norm_fwd_block(xa1, xc1, weight, rstd1, yc1, s1, c, step)
     if (c1 - c0) % step:
@@ -1323,7 +1323,7 @@ def _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, y
     step = lanes_count(ss)
     for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(xa, c + PREFETCH_AHEAD)
-        _prefetch_wide(xa, c + ahead)
+        _prefetch_wide(xa, c, ahead)
         sm, ss, sd = _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd,
                                            yc, sm, ss, sd, c, step)
     if (c1 - c0) % step:
@@ -1488,8 +1488,8 @@ def _layer_norm_fwd_span2(xa0, xa1, m00, m01, inv_cols, xc0, xc1, weight, bias, 
     for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(xa0, c + PREFETCH_AHEAD)
         _prefetch_halves(xa1, c + PREFETCH_AHEAD)
-        _prefetch_wide(xa0, c + ahead)
-        _prefetch_wide(xa1, c + ahead)
+        _prefetch_wide(xa0, c, ahead)
+        _prefetch_wide(xa1, c, ahead)
         sm0, ss0, sd0 = _layer_norm_fwd_block(xa0, m00, inv_cols, xc0, weight, bias, mean0,
                                               rstd0, yc0, sm0, ss0, sd0, c, step)
         sm1, ss1, sd1 = _layer_norm_fwd_block(xa1, m01, inv_cols, xc1, weight, bias, mean1,
@@ -1752,10 +1752,10 @@ def _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0
     s0 = g0 = s1 = g1 = lanes_zeros(xc0)
     step = lanes_count(s0)
     for c in range(c0, c1 - step + 1, step):
-        prefetch_l2(dya0, c + ahead)
-        prefetch_l2(xa0, c + ahead)
-        prefetch_l2(dya1, c + ahead)
-        prefetch_l2(xa1, c + ahead)
+        _prefetch_ahead(dya0, c, ahead)
+        _prefetch_ahead(xa0, c, ahead)
+        _prefetch_ahead(dya1, c, ahead)
+        _prefetch_ahead(xa1, c, ahead)
         _norm_bwd_block(dyc0, xc0, weight, meanc0, rstdc0, dotc0, gmeanc0, dxc0, dweight, dbias,
                         first, c, step)
         _norm_bwd_block(dyc1, xc1, weight, meanc1, rstdc1, dotc1, gmeanc1, dxc1, dweight, dbias,
@@ -1810,8 +1810,8 @@ def _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweig
     for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(dya, c + PREFETCH_AHEAD)
         _prefetch_halves(xa, c + PREFETCH_AHEAD)
-        prefetch_l2(dya, c + ahead)
-        prefetch_l2(xa, c + ahead)
+        _prefetch_ahead(dya, c, ahead)
+        _prefetch_ahead(xa, c, ahead)
         _norm_bwd_block(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight, dbias,
                         first, c, step)
         s, g = _grad_sums_block(dya, weight, xa, meana, s, g, c, step)
@@ -2044,6 +2044,8 @@ def _ahead(a, per):
     (so a two-row stage never prefetches its other row, which it is reading),
     by a's row stride (a hint: on a layout whose rows are not evenly spaced it
     may fetch lines no stage reads, which changes no result)."""
+    if a.size * a.itemsize < STREAM_BYTES:
+        return 0
     row = a.shape[2] * a.itemsize
     if row >= 2 * PREFETCH_L2_BYTES:
         return PREFETCH_L2_BYTES // a.itemsize
@@ -2051,17 +2053,24 @@ def _ahead(a, per):
     return passes * per * (a.strides[1] // a.itemsize)
 
 
-def _prefetch_wide(a, c):
-    """``prefetch_l2(a, c)`` for float32/float64 rows, nothing for float16/bfloat16
+@njit(inline='always')
+def _prefetch_ahead(a, c, ahead):
+    """``prefetch_l2(a, c + ahead)`` unless ahead is 0 (``_ahead``)."""
+    if ahead:
+        prefetch_l2(a, c + ahead)
+
+
+def _prefetch_wide(a, c, ahead):
+    """``_prefetch_ahead`` for float32/float64 rows, nothing for float16/bfloat16
     (the forwards' stages: see PREFETCH_L2_BYTES)."""
     raise NotImplementedError
 
 
 @overload(_prefetch_wide)
-def _prefetch_wide_impl(a, c):
+def _prefetch_wide_impl(a, c, ahead):
     if a.dtype in (types.int16, types.uint16):
-        return lambda a, c: None
-    return lambda a, c: prefetch_l2(a, c)
+        return lambda a, c, ahead: None
+    return lambda a, c, ahead: _prefetch_ahead(a, c, ahead)
 
 
 def _scratch_elems(y, x, n):
