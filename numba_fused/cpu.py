@@ -1406,7 +1406,8 @@ def _ln_fwd_two_passes(x):
     columns 0.97-1.06x. Rows of PAIR_BYTES and more stay paired (two passes a row
     ran 0.93-0.96x there); float16/bfloat16 forwards, bound by their arithmetic,
     did not move (0.99-1.00x). The same operations as the stage: the same bits."""
-    return x.itemsize >= 4 and LN_TWO_PASS_BYTES < x.shape[2] * x.itemsize < PAIR_BYTES
+    return (x.itemsize >= 4 and LN_TWO_PASS_BYTES < x.shape[2] * x.itemsize < PAIR_BYTES
+            and x.size * x.itemsize < STREAM_BYTES)
 
 
 @_lanes_fn
@@ -2189,6 +2190,7 @@ def _pipeline_chunks(rows, threads):
 #: (see _rows_pipelined); float32/float64 softmax backwards from
 #: SOFTMAX_BWD_PIPELINE_BYTES (see _softmax_bwd_pipelined)
 BWD_PIPELINE_BYTES = 1 << 13
+STREAMED_BWD_PIPELINE_BYTES = 1 << 12
 HALF_BWD_PIPELINE_COLS = 1 << 7
 SOFTMAX_BWD_PIPELINE_BYTES = 1 << 14
 
@@ -2242,7 +2244,10 @@ def _rows_pipelined_impl(x, shared):
     0.98-1.04x)."""
     if x.dtype in (types.float32, types.float64):
         floor = BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
-        return lambda x, shared: x.shape[2] >= floor and (shared or x.shape[2] >= WIDE_COLS)
+        streamed = STREAMED_BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
+        return lambda x, shared: (
+            x.shape[2] >= (streamed if x.size * x.itemsize >= STREAM_BYTES else floor)
+            and (shared or x.shape[2] >= WIDE_COLS))
     return lambda x, shared: x.shape[2] >= HALF_BWD_PIPELINE_COLS
 
 
