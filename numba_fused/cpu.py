@@ -895,7 +895,8 @@ def _softmax_bwd_pipelined_impl(y, shared):
     which the row path ran 0.90-0.94x in cache (float64 16x65536, two threads)."""
     if y.dtype in (types.float32, types.float64):
         floor = SOFTMAX_BWD_PIPELINE_BYTES // (y.dtype.bitwidth // 8)
-        return lambda y, shared: y.shape[2] >= floor and (shared or y.shape[2] >= WIDE_COLS)
+        return lambda y, shared: y.shape[2] >= floor and (shared or y.shape[2] >= WIDE_COLS
+                                                          or y.size * y.itemsize >= STREAM_BYTES)
     return lambda y, shared: True
 
 
@@ -2247,7 +2248,7 @@ def _rows_pipelined_impl(x, shared):
         streamed = STREAMED_BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
         return lambda x, shared: (
             x.shape[2] >= (streamed if x.size * x.itemsize >= STREAM_BYTES else floor)
-            and (shared or x.shape[2] >= WIDE_COLS))
+            and (shared or x.shape[2] >= WIDE_COLS or x.size * x.itemsize >= STREAM_BYTES))
     return lambda x, shared: x.shape[2] >= HALF_BWD_PIPELINE_COLS
 
 
