@@ -892,7 +892,11 @@ def _softmax_bwd_pipelined_impl(y, shared):
     ran float32 4096x4096 1.15x, 2048x8192 1.18x, 1024x16384 1.23x, 512x32000
     1.26x, 330x50257 1.15x from memory (ab.py --evict 64, NUMBA_NUM_THREADS=1),
     where on two it ran 0.94-1.01x; so not the rows of WIDE_COLS and more either,
-    which the row path ran 0.90-0.94x in cache (float64 16x65536, two threads)."""
+    which the row path ran 0.90-0.94x in cache (float64 16x65536, two threads).
+    Calls of STREAM_BYTES and more, whose stage prefetches (PREFETCH_L2_BYTES),
+    run pipelined on one thread too: NUMBA_NUM_THREADS=1, 4096x4096 1.09x,
+    2048x8192 1.14x against the row path. Rows under 16 KiB stay on the row path
+    there as well (float32 8192x2048 and 65536x1024 pipelined: 0.97-0.98x)."""
     if y.dtype in (types.float32, types.float64):
         floor = SOFTMAX_BWD_PIPELINE_BYTES // (y.dtype.bitwidth // 8)
         return lambda y, shared: y.shape[2] >= floor and (shared or y.shape[2] >= WIDE_COLS
@@ -930,7 +934,7 @@ def _softmax_bwd_rows(y, dy, dx, lo, hi, shared):
 def _softmax_bwd_stage_at(n, ya, dya, yc, dyc, dot, dxc, zero, ahead):
     """Stores dxc = yc * (dyc - dot) and returns sum(dya * ya) (as ``_grad_sums``;
     long rows by blocks), on data pointers (see ``_lanes_fn``); prefetches ya and
-    dya ``ahead`` elements on (see PREFETCH_L2_BYTES)."""
+    dya ``ahead`` elements on (``_ahead``)."""
     _aligned_frame()
     if n < WIDE_COLS:
         return _softmax_bwd_stage_span(ya, dya, yc, dyc, dot, dxc, zero, 0, n, ahead)
@@ -1014,7 +1018,7 @@ def _rms_norm_fwd_stage(xa, xc, weight, rstd, yc, ahead):
 def _rms_norm_fwd_stage_at(n, xa, xc, weight, rstd, yc, ahead):
     """``_rms_norm_fwd_stage`` on data pointers (see ``_lanes_fn``); the sum of a
     long row by blocks (see WIDE_COLS); float32/float64 prefetch xa ``ahead``
-    elements on (see PREFETCH_L2_BYTES)."""
+    elements on (``_ahead``)."""
     _aligned_frame()
     if n < WIDE_COLS:
         return _rms_norm_fwd_stage_span(xa, xc, weight, rstd, yc, 0, n, ahead)
@@ -1304,7 +1308,7 @@ def _layer_norm_fwd_stage(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, ah
 def _layer_norm_fwd_stage_at(n, xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, ahead):
     """``_layer_norm_fwd_stage`` on data pointers (see ``_lanes_fn``); the sums of a
     long row by blocks (see WIDE_COLS); float32/float64 prefetch xa ``ahead``
-    elements on (see PREFETCH_L2_BYTES)."""
+    elements on (``_ahead``)."""
     _aligned_frame()
     if n < WIDE_COLS:
         return _layer_norm_fwd_stage_span(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc,
@@ -1406,7 +1410,11 @@ def _ln_fwd_two_passes(x):
     but 0.96-0.97x in cache, so not there; in cache (--calls 10) from 1536
     columns 0.97-1.06x. Rows of PAIR_BYTES and more stay paired (two passes a row
     ran 0.93-0.96x there); float16/bfloat16 forwards, bound by their arithmetic,
-    did not move (0.99-1.00x). The same operations as the stage: the same bits."""
+    did not move (0.99-1.00x). The same operations as the stage: the same bits.
+    Not in calls of STREAM_BYTES and more since 2026-12-07, where the stage
+    prefetches x (PREFETCH_L2_BYTES): the pipeline against two passes a row, ab.py
+    --evict 64, float32 8192x2048 1.16-1.27x, 16384x1536 1.45x; under
+    STREAM_BYTES, without the prefetch, 1024x2048 0.89-0.91x."""
     return (x.itemsize >= 4 and LN_TWO_PASS_BYTES < x.shape[2] * x.itemsize < PAIR_BYTES
             and x.size * x.itemsize < STREAM_BYTES)
 
@@ -1789,7 +1797,8 @@ def _norm_bwd_stage_at(n, dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dwei
     row c (dx, the partials) and returns (sum(g * (xa - meana)), sum(g)) of row a,
     long rows by blocks (see WIDE_COLS). meanc/meana None: RMSNorm's (no
     subtraction; its x - 0 would be exact, so the same bits). dyc and dxc may be
-    one row (in place), so only the others are noalias."""
+    one row (in place), so only the others are noalias. dya and xa are prefetched
+    ``ahead`` elements on (``_ahead``)."""
     _aligned_frame()
     _no_alias_args("xc weight dweight dbias dya xa")
     if n < WIDE_COLS:
@@ -2019,12 +2028,14 @@ def _prefetch_halves_impl(a, c):
     return lambda a, c: None
 
 
-#: the pipelined stages' read streams (the rows they sum, from memory) are
-#: prefetched into the L2 (``prefetch_l2``) at least this many bytes ahead
-#: (``_ahead``). Why: a stage mixes those streams with rows it re-reads from the
-#: caches and a streamed store, and on its own a core kept too few lines in
-#: flight, so the sums waited on memory while the store's arithmetic waited on
-#: them. ab.py --evict 64 against none, AMD EPYC, 2 threads, 2026-12-07, float32:
+#: in calls of STREAM_BYTES and more, the pipelined stages' read streams (the
+#: rows they sum, from memory) are prefetched into the L2 (``prefetch_l2``) at
+#: least this many bytes ahead (``_ahead``). Why: a stage mixes those streams
+#: with rows it re-reads from the caches and a streamed store, and on its own a
+#: core kept too few lines in flight: one thread ran the layer_norm backward at
+#: 0.79 ns per float32 element from memory against 0.34 in its L2, about the sum
+#: of its arithmetic and of a copy's time, not the larger of the two. ab.py
+#: --evict 64 against none, AMD EPYC, 2 threads, 2026-12-07, float32:
 #: layer_norm bwd 4096x4096 1.14-1.17x, 8192x2048 1.39-1.49x, 2048x8192
 #: 1.08-1.10x, rms_norm bwd 1.10-1.16x / 1.30-1.34x / 1.10-1.14x, softmax bwd
 #: 1.10-1.25x (1024x16384 1.14x), layer_norm fwd 1.19-1.23x at 4096x4096,
@@ -2035,13 +2046,18 @@ def _prefetch_halves_impl(a, c):
 #: their arithmetic (layer_norm fwd 0.92-0.97x at 1024-2048 columns), nor the
 #: softmax forward (float32 0.87-1.00x: its exp, not memory, sets its pace), nor
 #: the row paths' store passes (the next rows prefetched there: 0.86-1.05x).
+#: Smaller calls do not: from the caches the instructions cost float32 rms_norm
+#: fwd 0.93-0.96x (64x4096, 1024x1024, 512x2048, --calls 20), 0.96-1.02x with
+#: the test that skips them. With it, the pipelines pay from shorter rows in
+#: such calls (``_rows_pipelined``, ``_ln_fwd_two_passes``).
 PREFETCH_L2_BYTES = 1 << 15
 
 
 @njit(inline='always')
 def _ahead(a, per):
     """Elements from a stage's column c to the one it prefetches, in a stage that
-    sums ``per`` rows of ``a`` a pass: PREFETCH_L2_BYTES ahead in the same row on
+    sums ``per`` rows of ``a`` a pass; 0 (no prefetch: ``_prefetch_ahead``) for
+    arrays under STREAM_BYTES. PREFETCH_L2_BYTES ahead in the same row on
     rows of twice that and more; else the rows as many passes ahead as cover it
     (so a two-row stage never prefetches its other row, which it is reading),
     by a's row stride (a hint: on a layout whose rows are not evenly spaced it
@@ -2187,8 +2203,9 @@ def _pipeline_chunks(rows, threads):
 
 
 #: norm backwards run pipelined (``_norm_bwd_rows``) from rows of this many bytes
-#: in float32/float64, from HALF_BWD_PIPELINE_COLS columns in float16/bfloat16
-#: (see _rows_pipelined); float32/float64 softmax backwards from
+#: in float32/float64 (from STREAMED_BWD_PIPELINE_BYTES in calls of STREAM_BYTES
+#: and more, whose stages prefetch), from HALF_BWD_PIPELINE_COLS columns in
+#: float16/bfloat16 (see _rows_pipelined); float32/float64 softmax backwards from
 #: SOFTMAX_BWD_PIPELINE_BYTES (see _softmax_bwd_pipelined)
 BWD_PIPELINE_BYTES = 1 << 13
 STREAMED_BWD_PIPELINE_BYTES = 1 << 12
@@ -2242,7 +2259,15 @@ def _rows_pipelined_impl(x, shared):
     8192x2048 layer_norm 1.18-1.23x, rms_norm 1.21-1.22x; 4096x4096 1.09-1.10x;
     2048x8192 1.01-1.04x. Not the serial build, which runs the small calls from
     the caches: there the row path ran 16x4096 0.92-0.95x (32x2048 and 48x2048
-    0.98-1.04x)."""
+    0.98-1.04x).
+
+    In calls of STREAM_BYTES and more, whose stages prefetch (PREFETCH_L2_BYTES),
+    float32/float64 rows from STREAMED_BWD_PIPELINE_BYTES, on one thread as well
+    (2026-12-07, ab.py --evict 64, pipelined against the row path: 65536x1024
+    1.01-1.09x, 16384x1024 1.07-1.22x, 16384x1536 1.25-1.29x; 2 KiB rows,
+    131072x512, 0.99-1.06x, so not there; under STREAM_BYTES 1024 columns
+    0.90-0.95x; one thread 4096x4096 1.16-1.20x, 8192x2048 1.15-1.25x, 2048x8192
+    1.09-1.14x)."""
     if x.dtype in (types.float32, types.float64):
         floor = BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
         streamed = STREAMED_BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)

@@ -612,6 +612,77 @@ def test_streamed_outputs_hold_the_bits_of_ordinary_stores(rng, op, shape, dtype
     check_op(op, d, got[0])
 
 
+#: calls of cpu.STREAM_BYTES and more whose pipelined stages prefetch, on the
+#: paths they take only at that size: float32 1,024-column norm backwards pipelined
+#: (cpu.STREAMED_BWD_PIPELINE_BYTES), 3,001-column LayerNorm forwards pipelined (not
+#: cpu._ln_fwd_two_passes), 4,096 columns two rows a pass, bfloat16 rows
+PREFETCH_CASES = [((4096, 1024), F32), ((1400, 3001), F32), ((1024, 4096), F32),
+                  ((4100, 2048), BF16)]
+
+
+@pytest.mark.parametrize("shape, dtype", PREFETCH_CASES,
+                         ids=[f"{dtype_id(d)}-{r}x{c}" for (r, c), d in PREFETCH_CASES])
+@pytest.mark.parametrize("op", OPS)
+def test_prefetching_calls_hold_the_bits_of_rows_alone(rng, restore_threads, op, shape,
+                                                       dtype):
+    """A call of cpu.STREAM_BYTES and more (its stages prefetch the rows ahead, and
+    the norm backwards and LayerNorm forwards take the pipeline on rows they
+    would not pipeline in a smaller call), on two threads and on one: each row's
+    outputs have the bits of the same row called alone, dweight/dbias those of the
+    documented order, and the values match the reference."""
+    from numba_fused import _dtypes as D
+    rows, cols = shape
+    assert rows * cols * np.dtype(dtype).itemsize >= cpu.STREAM_BYTES
+    storage = np.empty((1, rows, cols), D.storage_dtype(dtype))
+    if op in ("rms_norm_bwd", "layer_norm_bwd") and dtype == F32:
+        rule = numba.njit(lambda a, shared: cpu._rows_pipelined(a, shared))
+        assert rule(storage, False) and rule(storage, True)
+        assert rule(storage[:, :64], True) == (cols * 4 >= cpu.BWD_PIPELINE_BYTES)
+    if op == "softmax_bwd" and dtype == F32:      # pipelined on one thread too
+        rule = numba.njit(lambda a, shared: cpu._softmax_bwd_pipelined(a, shared))
+        assert rule(storage, False) == (cols * 4 >= cpu.SOFTMAX_BWD_PIPELINE_BYTES)
+        assert not rule(storage[:, :64], False)
+    if op == "layer_norm_fwd" and cols == 3001:
+        two = numba.njit(lambda a: cpu._ln_fwd_two_passes(a))
+        assert not two(storage) and two(storage[:, :64])
+    d = _make_case(op, rng, shape, dtype)
+    picks = [0, 1, 2, rows // 2, rows // 2 + 1, rows - 2, rows - 1]
+    for threads in (2, 1):
+        numba.set_num_threads(min(threads, restore_threads))
+        got = call_op(op, d, out=poisoned(shape, dtype))
+        for r in picks:
+            alone = {k: (v[r:r + 1] if k in ("x", "y", "dy", "mean", "rstd") else v)
+                     for k, v in d.items()}
+            for g, a in zip(got, call_op(op, alone)):
+                if op.endswith("_fwd") or g is got[0]:
+                    assert_bits_equal(a[:1], g[r:r + 1], f"{op} row {r} alone, {threads} threads")
+        if op in ("rms_norm_bwd", "layer_norm_bwd"):
+            for k, (g, p) in enumerate(zip(got[1:], ("weight", "bias"))):
+                want = _param_grads_in_kernel_order(op, d["dy"], d["x"], d["rstd"], d.get("mean"),
+                                                    d[p].dtype)[k]
+                assert_bits_equal(g, want, f"d{p}, {threads} threads")
+    check_op(op, d, got)
+
+
+def test_prefetch_distance():
+    """cpu._ahead: nothing under cpu.STREAM_BYTES; from there PREFETCH_L2_BYTES (32
+    KiB) ahead within rows of twice that, else whole passes of rows (one or two
+    rows a pass) that cover it, by the array's row stride."""
+    assert cpu.PREFETCH_L2_BYTES == 1 << 15
+    ahead = numba.njit(lambda a, per: cpu._ahead(a, per))
+    big = lambda rows, cols, dt=np.float32: np.empty((1, rows, cols), dt)  # noqa: E731
+    assert ahead(big(64, 4096), 1) == 0 and ahead(big(1023, 4096), 2) == 0
+    assert ahead(big(1024, 4096), 1) == 2 * 4096         # 16 KiB rows: 2 rows, 1 a pass
+    assert ahead(big(1024, 4096), 2) == 2 * 4096         # one pass of two rows
+    assert ahead(big(2048, 8192), 1) == 8192             # 32 KiB rows: the next row
+    assert ahead(big(2048, 8192), 2) == 2 * 8192         # never the pass's other row
+    assert ahead(big(256, 16384), 2) == (1 << 15) // 4   # 64 KiB rows: within the row
+    assert ahead(big(4200, 1000), 1) == 9 * 1000         # 9 rows of 4,000 bytes
+    assert ahead(big(8192, 1024, np.uint16), 1) == 16 * 1024
+    padded = np.empty((1, 8192, 1100), np.float32)[:, :, :1024]
+    assert ahead(padded, 1) == 8 * 1100                  # by the row stride
+
+
 # ============================================================= in-place bwd
 @pytest.mark.parametrize("layout", ["C", "cols2", "transpose", "negrows"])
 @pytest.mark.parametrize("shape", LAYOUT_SHAPES + [(2, 17, 4111)],

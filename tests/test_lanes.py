@@ -348,3 +348,30 @@ def test_partial_blocks_touch_only_their_elements(dtype, k):
     values = (tail.view(dtype) if dtype in (F16, BF16) else tail).astype(_acc(dtype))
     assert _sum_via_lanes(tail) == (_replay_tree(_blocks(values, count).sum(0))
                                     if k else 0)
+
+
+@njit(cache=False)
+def _prefetched_sum(a, ahead, l2):
+    """sum(a), prefetching every block ``ahead`` elements on (prefetch_l2 or prefetch)."""
+    p = L.data(a)
+    total = 0.0
+    for c in range(0, a.shape[0], 16):
+        if l2:
+            L.prefetch_l2(p, c + ahead)
+        else:
+            L.prefetch(p, c + ahead)
+        for i in range(c, min(c + 16, a.shape[0])):
+            total += a[i]
+    return total
+
+
+def test_prefetches_are_hints():
+    """prefetch (into the L1: prefetcht0) and prefetch_l2 (the L2: prefetcht1) change
+    no value and never fault, however far past the array's end they point (a
+    stage's last rows prefetch rows that do not exist)."""
+    a = np.arange(1000, dtype=np.float64)
+    for ahead in (0, 64, 1 << 20, 1 << 40):
+        for l2 in (True, False):
+            assert _prefetched_sum(a, ahead, l2) == a.sum()
+    asm = _prefetched_sum.inspect_asm(_prefetched_sum.signatures[0])
+    assert "prefetcht1" in asm and "prefetcht0" in asm
