@@ -1828,7 +1828,7 @@ def test_bwd_stage_noalias_spares_the_in_place_pointers():
         n = x.shape[1]
         return fresh(n, data(dy[0]), data(x[0]), data(w), f32(0), f32(1), f32(0), f32(0),
                      data(dy[0]), data(parts[0]), data(parts[1]), True, data(dy[1]),
-                     data(x[1]), f32(0))
+                     data(x[1]), f32(0), np.intp(0))
     dy = np.ones((2, 256), np.uint16)
     call(dy, dy.copy(), np.ones(256, np.uint16), np.zeros((2, 256), np.float32))
     ir = fresh.inspect_llvm(fresh.signatures[0])
