@@ -900,7 +900,7 @@ def _softmax_bwd_pipelined_impl(y, shared):
     if y.dtype in (types.float32, types.float64):
         floor = SOFTMAX_BWD_PIPELINE_BYTES // (y.dtype.bitwidth // 8)
         return lambda y, shared: y.shape[2] >= floor and (shared or y.shape[2] >= WIDE_COLS
-                                                          or y.size * y.itemsize >= STREAM_BYTES)
+                                                          or _prefetches(y))
     return lambda y, shared: True
 
 
@@ -1416,7 +1416,7 @@ def _ln_fwd_two_passes(x):
     --evict 64, float32 8192x2048 1.16-1.27x, 16384x1536 1.45x; under
     STREAM_BYTES, without the prefetch, 1024x2048 0.89-0.91x."""
     return (x.itemsize >= 4 and LN_TWO_PASS_BYTES < x.shape[2] * x.itemsize < PAIR_BYTES
-            and x.size * x.itemsize < STREAM_BYTES)
+            and not _prefetches(x))
 
 
 @_lanes_fn
@@ -2054,6 +2054,15 @@ PREFETCH_L2_BYTES = 1 << 15
 
 
 @njit(inline='always')
+def _prefetches(a):
+    """Whether the pipelined stages of a call on ``a`` prefetch (``_ahead``): at
+    the size from which outputs stream (``_streams``), which leave the caches
+    before they are read; the pipelines' size rules (``_rows_pipelined``,
+    ``_softmax_bwd_pipelined``, ``_ln_fwd_two_passes``) follow it."""
+    return _streams(a)
+
+
+@njit(inline='always')
 def _ahead(a, per):
     """Elements from a stage's column c to the one it prefetches, in a stage that
     sums ``per`` rows of ``a`` a pass; 0 (no prefetch: ``_prefetch_ahead``) for
@@ -2062,7 +2071,7 @@ def _ahead(a, per):
     (so a two-row stage never prefetches its other row, which it is reading),
     by a's row stride (a hint: on a layout whose rows are not evenly spaced it
     may fetch lines no stage reads, which changes no result)."""
-    if a.size * a.itemsize < STREAM_BYTES:
+    if not _prefetches(a):
         return 0
     row = a.shape[2] * a.itemsize
     if row >= 2 * PREFETCH_L2_BYTES:
@@ -2272,8 +2281,8 @@ def _rows_pipelined_impl(x, shared):
         floor = BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
         streamed = STREAMED_BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
         return lambda x, shared: (
-            x.shape[2] >= (streamed if x.size * x.itemsize >= STREAM_BYTES else floor)
-            and (shared or x.shape[2] >= WIDE_COLS or x.size * x.itemsize >= STREAM_BYTES))
+            x.shape[2] >= (streamed if _prefetches(x) else floor)
+            and (shared or x.shape[2] >= WIDE_COLS or _prefetches(x)))
     return lambda x, shared: x.shape[2] >= HALF_BWD_PIPELINE_COLS
 
 
