@@ -22,7 +22,9 @@ Functions (jitted code only):
 Arrays are C-contiguous 1-D arrays or their data pointers (``data(a)``).
 
 * ``lanes_zeros(arr)``, ``wide_lanes_zeros(arr)`` (zmm parts) -- zero lanes of
-  arr's accumulator type; ``lanes_count(v)`` -- their count (a constant).
+  arr's accumulator type, paired for bfloat16 arrays (``Lanes``: which lane holds
+  which column, ``columns``); ``ordered_lanes_zeros``, ``ordered_wide_lanes_zeros``
+  -- the same in column order; ``lanes_count(v)`` -- their count (a constant).
 * ``lanes_load(arr, c, k)`` -- arr[c:c+k] widened to the accumulator type, k <=
   the lane count; lanes k and up are 0. ``lanes_load_like(arr, c, k, v)``: in v's type.
 * ``lanes_store(arr, c, v, k)`` -- arr[c:c+k] = the first k lanes of v, rounded
@@ -58,7 +60,7 @@ LANES = {types.int16: 64 if _AVX512 else 32, types.uint16: 64 if _AVX512 else 32
          types.float32: 32, types.float64: 16}
 PARTS = 4
 #: bfloat16 stores test this many parts for subnormals at once (``_narrow_parts``)
-GUARD_PARTS = 2
+GUARD_PARTS = 2      # even: a paired store interleaves the parts two by two
 #: AVX512-BF16: vcvtneps2bf16 rounds 16 floats to bfloat16 in one instruction
 _BF16_HW = {"+avx512bf16", "+avx512dq"} <= set(llb.get_host_cpu_features().flatten().split(","))
 if _BF16_HW:
@@ -66,12 +68,25 @@ if _BF16_HW:
 
 
 class Lanes(types.Type):
-    """``count`` values of the float type ``dtype``, held as PARTS vectors."""
+    """``count`` values of the float type ``dtype``, held as PARTS vectors.
 
-    def __init__(self, dtype, count):
+    ``paired``: which lane holds which column. Unpaired, part p holds the
+    columns p * n + j (n lanes a part) in order. Paired (the lanes of bfloat16
+    rows), parts 2q and 2q + 1 hold the even and the odd columns of the 2n
+    columns from 2qn: a bfloat16 is the top half of a float32, so a vector of
+    bfloat16 pairs read as 32-bit words is the odd columns once its low halves are
+    masked off (``vpandd``) and the even ones once shifted up 16 bits
+    (``vpslld``). In order, each part took a zero-extending shuffle
+    (``vpmovzxwd``) and a shift. A store interleaves the pair again (one
+    ``vpermt2w`` for two parts), so memory always holds the columns in order,
+    whatever the layout; lanes of the two layouts never mix (a typing error).
+    """
+
+    def __init__(self, dtype, count, paired=False):
         self.dtype = dtype
         self.count = count
-        super().__init__(name=f"Lanes({dtype}, {count})")
+        self.paired = paired
+        super().__init__(name=f"Lanes({dtype}, {count}{', paired' if paired else ''})")
 
 
 @register_model(Lanes)
@@ -83,8 +98,17 @@ class _LanesModel(models.PrimitiveModel):
 
 
 def lanes_type(dtype):
-    """Lanes of the accumulator type for an array of storage type ``dtype``."""
-    return Lanes(acc_numba_type(dtype), LANES[dtype])
+    """Lanes of the accumulator type for an array of storage type ``dtype``
+    (bfloat16: paired)."""
+    return Lanes(acc_numba_type(dtype), LANES[dtype], paired=dtype == types.uint16)
+
+
+def columns(lt):
+    """Per part of Lanes ``lt``, the column (from the block's first) of each lane."""
+    n = lt.count // PARTS
+    if lt.paired:
+        return [[2 * n * (p // 2) + 2 * j + p % 2 for j in range(n)] for p in range(PARTS)]
+    return [[n * p + j for j in range(n)] for p in range(PARTS)]
 
 
 # ------------------------------------------------------------ IR helpers
@@ -271,14 +295,17 @@ def _data_impl(a):
     return lambda a: _data_pointer(a)
 
 
-def _zeros(wide):
+def _zeros(wide, ordered=False):
     @intrinsic
     def zeros(typingctx, arr):
         if not _is_lanes_array(arr):
             return None
         lt = lanes_type(arr.dtype)
         if wide:
-            lt = Lanes(lt.dtype, LANES[types.uint16] // (2 if lt.dtype == types.float64 else 1))
+            lt = Lanes(lt.dtype, LANES[types.uint16] // (2 if lt.dtype == types.float64 else 1),
+                       lt.paired)
+        if ordered:
+            lt = Lanes(lt.dtype, lt.count)
 
         def codegen(context, builder, sig, args):
             return ir.Constant(context.get_value_type(lt), None)
@@ -292,6 +319,12 @@ wide_lanes_zeros = _zeros(True)
 wide_lanes_zeros.__doc__ = """Zero lanes of arr's accumulator type in zmm-sized parts (for
 compute-bound loops such as the softmax exp, which gains from the width more than
 it loses on split loads: 1.11-1.29x in float32, benchmarks/ab.py 2026-12-04)."""
+ordered_lanes_zeros = _zeros(False, ordered=True)
+ordered_lanes_zeros.__doc__ = """``lanes_zeros`` unpaired (columns in order) for bfloat16 rows
+too: for loops that also load or store a float32 row of their columns (a scratch
+row, dweight partials), which paired lanes would shuffle both ways."""
+ordered_wide_lanes_zeros = _zeros(True, ordered=True)
+ordered_wide_lanes_zeros.__doc__ = "``wide_lanes_zeros`` unpaired (see ``ordered_lanes_zeros``)."
 
 
 @intrinsic
@@ -306,13 +339,62 @@ def lanes_count(typingctx, v):
     return types.intp(v), codegen
 
 
-def _masks(builder, k, part_count):
-    """Per part, the lanes i * part_count + j < k (all true for k == lanes: folded)."""
-    ity = ir.VectorType(k.type, part_count)
+def _masks(builder, k, part_count, count=PARTS):
+    """Per vector of ``part_count`` consecutive elements (``count`` of them), the
+    elements i * part_count + j < k (all true for k == lanes: folded)."""
+    return _column_masks(builder, k, [[i * part_count + j for j in range(part_count)]
+                                      for i in range(count)])
+
+
+def _column_masks(builder, k, cols):
+    """Per list of columns in ``cols``, the vector of (column < k)."""
+    ity = ir.VectorType(k.type, len(cols[0]))
     kk = splat(builder, k, ity)
-    return [builder.icmp_signed('<', ir.Constant(ity, [ir.Constant(k.type, i * part_count + j)
-                                                       for j in range(part_count)]), kk)
-            for i in range(PARTS)]
+    return [builder.icmp_signed('<', ir.Constant(ity, [ir.Constant(k.type, j) for j in cs]), kk)
+            for cs in cols]
+
+
+def _pair_pointers(builder, ptr, pair_ty):
+    """Pointers to the PARTS // 2 consecutive vectors of ``pair_ty`` from ``ptr``."""
+    return [builder.bitcast(builder.gep(ptr, [ir.Constant(ir.IntType(64), i * pair_ty.count)],
+                                        inbounds=True), pair_ty.as_pointer())
+            for i in range(PARTS // 2)]
+
+
+def _deinterleave(builder, value):
+    """(even elements, odd elements) of a vector."""
+    i32 = ir.IntType(32)
+    half = value.type.count // 2
+    return [builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(i32, half),
+                                                             [2 * j + odd for j in range(half)]))
+            for odd in (0, 1)]
+
+
+def _interleave(builder, even, odd):
+    """The vector even[0], odd[0], even[1], odd[1], ..."""
+    n = even.type.count
+    return builder.shuffle_vector(even, odd, ir.Constant(ir.VectorType(ir.IntType(32), 2 * n),
+                                                         [i for j in range(n) for i in (j, n + j)]))
+
+
+def _widen_pair(builder, raw, storage, elem):
+    """A paired part pair (even, odd columns, as ``elem`` floats) from a vector of
+    2n consecutive storage values. bfloat16: the values as n 32-bit words, the odd
+    columns their top halves (low halves masked off), the even ones their low
+    halves shifted up -- no shuffle."""
+    if storage == types.uint16:
+        n = raw.type.count // 2
+        words = builder.bitcast(raw, ir.VectorType(ir.IntType(32), n))
+        fty = ir.VectorType(ir.FloatType(), n)
+        i32v = ir.VectorType(ir.IntType(32), n)
+        even = builder.shl(words, ir.Constant(i32v, [ir.Constant(ir.IntType(32), 16)] * n))
+        odd = builder.and_(words, ir.Constant(i32v, [ir.Constant(ir.IntType(32), -0x10000)] * n))
+        pair = [builder.bitcast(even, fty), builder.bitcast(odd, fty)]
+    else:
+        pair = _deinterleave(builder, widen_ir(builder, raw, storage))
+    if pair[0].type.element != elem:
+        pair = [builder.fpext(v, ir.VectorType(elem, v.type.count)) for v in pair]
+    return pair
 
 
 def _masked_load(builder, ptr, mask, size):
@@ -389,6 +471,13 @@ def _load_codegen(lt):
         ptr = _elem_pointer(context, builder, aty, arr, c)
         elem = context.get_value_type(lt.dtype)
         parts = []
+        if lt.paired:
+            pair_ty = ir.VectorType(sty, 2 * part_ty.count)
+            for p, mask in zip(_pair_pointers(builder, ptr, pair_ty),
+                               _masks(builder, k, pair_ty.count, PARTS // 2)):
+                parts += _widen_pair(builder, _masked_load(builder, p, mask, size),
+                                     aty.dtype, elem)
+            return join(builder, parts)
         for p, mask in zip(_part_pointers(builder, ptr, part_ty),
                            _masks(builder, k, part_ty.count)):
             value = widen_ir(builder, _masked_load(builder, p, mask, size), aty.dtype)
@@ -485,12 +574,25 @@ def lanes_store(typingctx, arr, c, v, k):
             arr, stream = _stream_fields(context, builder, aty, arr)
             aty = types.CPointer(aty.dtype)
         ptr = _elem_pointer(context, builder, aty, arr, c)
-        pointers = _part_pointers(builder, ptr, part_ty)
+        if lt.paired:
+            # a pair of parts, interleaved, is one vector of consecutive columns
+            part_ty = ir.VectorType(sty, 2 * part_ty.count)
+            pointers = _pair_pointers(builder, ptr, part_ty)
+            masks = _masks(builder, k, part_ty.count, PARTS // 2)
+        else:
+            pointers = _part_pointers(builder, ptr, part_ty)
+            masks = _masks(builder, k, part_ty.count)
+
+        def vectors(values, first):
+            """(vector, its index) to store for the narrowed parts from ``first``."""
+            if not lt.paired:
+                return [(v, first + i) for i, v in enumerate(values)]
+            return [(_interleave(builder, values[i], values[i + 1]), (first + i) // 2)
+                    for i in range(0, len(values), 2)]
 
         def masked(values, first):
-            for value, p, mask in zip(values, pointers[first:],
-                                      _masks(builder, k, part_ty.count)[first:]):
-                _masked_store(builder, value, p, mask, size)
+            for value, i in vectors(values, first):
+                _masked_store(builder, value, pointers[i], masks[i], size)
 
         if stream is None:
             _narrow_parts(builder, split(builder, v), aty.dtype, masked)
@@ -506,8 +608,8 @@ def lanes_store(typingctx, arr, c, v, k):
             with builder.if_else(go) as (nontemporal, ordinary):
                 with nontemporal:
                     one = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-                    for value, p in zip(values, pointers[first:]):
-                        store = builder.store(value, p)
+                    for value, i in vectors(values, first):
+                        store = builder.store(value, pointers[i])
                         store.align = part_ty.count * size
                         store.set_metadata('nontemporal', one)
                 with ordinary:
@@ -566,7 +668,7 @@ def lanes_keep(typingctx, v, k, fill):
         fill = splat(builder, context.cast(builder, fill, sig.args[2], sig.args[0].dtype),
                      parts[0].type)
         return join(builder, [builder.select(mask, part, fill) for part, mask
-                              in zip(parts, _masks(builder, k, parts[0].type.count))])
+                              in zip(parts, _column_masks(builder, k, columns(sig.args[0])))])
     return v(v, types.intp, fill), codegen
 
 

@@ -1,6 +1,7 @@
 """numba_fused._lanes: block loads/stores with the dtype conversions, masking, and
 the documented summation order, replayed in NumPy bit for bit (the order is the
 spec that makes every copy of a reduction agree: see the module docstring)."""
+import numba
 import numpy as np
 import pytest
 from numba import njit
@@ -42,10 +43,20 @@ def _replay_tree(lanes):
     return v[0]
 
 
-def _blocks(values, count):
-    """values zero-padded to whole blocks of ``count`` lanes, one block per row."""
+def _order(dtype, count):
+    """The column each lane holds, lane by lane (``L.columns``: bfloat16 lanes are
+    paired, even then odd columns of each 2n)."""
+    lt = L.lanes_type(numba.from_dtype(D.storage_dtype(dtype)))
+    assert lt.count == count
+    return np.array(L.columns(lt)).ravel()
+
+
+def _blocks(values, count, dtype=None):
+    """values zero-padded to whole blocks of ``count`` lanes, one block per row;
+    with ``dtype``, each block in the lane order of rows of that dtype."""
     pad = (-values.size) % count
-    return np.concatenate([values, np.zeros(pad, values.dtype)]).reshape(-1, count)
+    blocks = np.concatenate([values, np.zeros(pad, values.dtype)]).reshape(-1, count)
+    return blocks if dtype is None else blocks[:, _order(dtype, count)]
 
 
 @njit(cache=False)
@@ -67,7 +78,7 @@ def test_sum_follows_the_documented_order(dtype, cols):
     acc = _acc(dtype)
     values = (x.view(dtype) if dtype in (F16, BF16) else x).astype(acc)
     lanes = np.zeros(_count(dtype), acc)
-    for block in _blocks(values, lanes.size):
+    for block in _blocks(values, lanes.size, dtype):
         lanes = lanes + block                      # rounded in the accumulator type
     want = _replay_tree(lanes)
     got = _sum_via_lanes(x)
@@ -106,9 +117,10 @@ def test_cpu_sum_sq_and_grad_sums_follow_the_documented_order(dtype, cols):
     count = _count(dtype)
     # block by block, the zero-padded tail masked where the kernels mask it
     ss = sd = dot = gsum = np.zeros(count, acc)
-    for b, (xb, dyb, wb) in enumerate(zip(_blocks(xv, count), _blocks(dyv, count),
-                                          _blocks(wv, count))):
-        keep = b * count + np.arange(count) < cols
+    order = _order(dtype, count)
+    for b, (xb, dyb, wb) in enumerate(zip(_blocks(xv, count, dtype), _blocks(dyv, count, dtype),
+                                          _blocks(wv, count, dtype))):
+        keep = b * count + order < cols
         d = np.where(keep, xb - center, acc(0))
         ss = _fma_lanes(d, d, ss)
         sd = sd + d
@@ -152,6 +164,72 @@ def _copy_converted(src, dst, k):
     for c in range(0, n, step):
         kk = min(step, n - c, k)
         L.lanes_store(dst, c, L.lanes_load_like(src, c, kk, like), kk)
+
+
+@njit(cache=False)
+def _copy_through(src, dst, k):
+    """dst[c:c+k] = src[c:c+k] block by block through src's own lanes (paired for
+    bfloat16), each block's lanes from k on replaced by -1 before the store."""
+    n = src.shape[0]
+    step = L.lanes_count(L.lanes_zeros(src))
+    for c in range(0, n, step):
+        kk = min(step, n - c)
+        L.lanes_store(dst, c, L.lanes_keep(L.lanes_load(src, c, kk), k, -1.0), kk)
+
+
+def test_paired_lanes_hold_their_columns():
+    """bfloat16 rows load into paired lanes (``L.columns``: even, then odd columns
+    of each 2n) and every store puts each column back in its place: into bfloat16
+    and float32 rows, whole and partial blocks (every k up to the lane count,
+    including a partial second pair), ``lanes_keep`` by column; nothing written
+    past k. Float32 lanes stay in column order."""
+    rng = np.random.default_rng(11)
+    count = _count(BF16)
+    lt = L.lanes_type(numba.from_dtype(D.storage_dtype(BF16)))
+    assert lt.paired and not L.lanes_type(numba.from_dtype(np.dtype(np.float32))).paired
+    cols = L.columns(lt)
+    assert sorted(sum(cols, [])) == list(range(count))
+    assert cols[0][:3] == [0, 2, 4] and cols[1][:3] == [1, 3, 5]
+    for n in (2 * count, 2 * count + 37, count - 1, 33):
+        src = _bits(rng.standard_normal(n) + 2, BF16)
+        values = src.view(BF16).astype(np.float32)
+        for k in range(0, count + 1, 3):
+            keep = np.arange(n) % count < k
+            for out_dtype in (np.float32, np.uint16):
+                buf = np.full(n + 64, 0x7F7F if out_dtype == np.uint16 else 12345.0, out_dtype)
+                dst = buf[:n]
+                _copy_through(src, dst, k)
+                got = dst.view(BF16).astype(np.float32) if out_dtype == np.uint16 else dst
+                assert np.array_equal(got, np.where(keep, values, -1.0)), (n, k, out_dtype)
+                assert np.array_equal(buf[n:], np.full(64, buf[-1]))
+
+
+def test_paired_and_ordered_lanes_do_not_mix():
+    """Lanes of the two layouts hold different columns in the same lane: an
+    operation between them is a typing error, not a silent mismatch."""
+    import numba.core.errors
+
+    @njit(cache=False)
+    def mixed(x):
+        return L.lanes_sum(L.lanes_zeros(x) + L.ordered_lanes_zeros(x))
+
+    @njit(cache=False)
+    def same(x):
+        return L.lanes_sum(L.ordered_lanes_zeros(x) + L.ordered_lanes_zeros(x))
+
+    with pytest.raises(numba.core.errors.TypingError):
+        mixed(np.zeros(4, np.uint16))
+    assert mixed(np.zeros(4, np.float32)) == 0.0      # float32 lanes are never paired
+    assert same(np.zeros(4, np.uint16)) == 0.0
+
+
+def test_paired_loads_widen_without_shuffles():
+    """A bfloat16 load into paired lanes: a shift and a mask per part, no
+    zero-extending shuffle (the point of pairing)."""
+    _sum_via_lanes(np.ones(256, np.uint16))
+    asm = next(a for sig, a in _sum_via_lanes.inspect_asm().items()
+               if str(sig[0].dtype) == "uint16")
+    assert "vpslld" in asm and "vpand" in asm and "vpmovzxwd" not in asm
 
 
 @njit(cache=False)
@@ -329,7 +407,7 @@ def test_half_lanes_widen_every_value(half, k):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64, F16, BF16], ids=dtype_id)
-@pytest.mark.parametrize("k", [0, 1, 5, 17])
+@pytest.mark.parametrize("k", [0, 1, 5, 17, 33, 62])
 def test_partial_blocks_touch_only_their_elements(dtype, k):
     """A partial load reads k elements (the rest of the lanes are 0) and a partial
     store writes k: the poisoned elements around them stay as they were."""
@@ -346,7 +424,7 @@ def test_partial_blocks_touch_only_their_elements(dtype, k):
     assert np.array_equal(dst[:count], poison[:count])
     tail = _bits(rng.standard_normal(k) + 2, dtype)
     values = (tail.view(dtype) if dtype in (F16, BF16) else tail).astype(_acc(dtype))
-    assert _sum_via_lanes(tail) == (_replay_tree(_blocks(values, count).sum(0))
+    assert _sum_via_lanes(tail) == (_replay_tree(_blocks(values, count, dtype).sum(0))
                                     if k else 0)
 
 
