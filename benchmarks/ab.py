@@ -89,6 +89,8 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=1, help="calls per timed sample")
     p.add_argument("--alloc", action="store_true",
                    help="call without out= (results allocated per call)")
+    p.add_argument("--weight-dtype", choices=("same", "float32"), default="same",
+                   help="weight and bias in the input's dtype (default) or float32")
     p.add_argument("--evict", type=int, default=0, metavar="MIB",
                    help="write MIB MiB before every timed call (not timed): calls start "
                         "with their inputs out of cache (default 0: off)")
@@ -112,7 +114,8 @@ def main(argv=None):
 
     print(f"base {a.base} vs working tree {ROOT}; {a.rounds} interleaved rounds"
           f" of {a.calls} call(s){' without out=' if a.alloc else ''}"
-          f"{f', {a.evict} MiB written before each' if a.evict else ''}; "
+          f"{f', {a.evict} MiB written before each' if a.evict else ''}"
+          f"{'; float32 weight and bias' if a.weight_dtype == 'float32' else ''}; "
           "ratio = base time / new time")
     rng = np.random.default_rng(0)
     for dtname in a.dtypes.split(","):
@@ -121,8 +124,9 @@ def main(argv=None):
             shape = tuple(int(s) for s in shape.split("x"))
             x = rng.standard_normal(shape).astype(dt)
             dy = rng.standard_normal(shape).astype(dt)
-            w = rng.standard_normal(shape[-1]).astype(dt)
-            b = rng.standard_normal(shape[-1]).astype(dt)
+            pdt = dt if a.weight_dtype == "same" else np.float32
+            w = rng.standard_normal(shape[-1]).astype(pdt)
+            b = rng.standard_normal(shape[-1]).astype(pdt)
             y = new.softmax_fwd(x)
             _, rstd = new.rms_norm_fwd(x, w)
             _, mean, ln_rstd = new.layer_norm_fwd(x, w, b)

@@ -290,6 +290,24 @@ _times = _with_param(operator.mul, "v * weight[c], or v when weight is None.")
 _plus = _with_param(operator.add, "v + bias[c], or v when bias is None.")
 
 
+def _lanes_beside(x, a, b):
+    """Zero lanes for row x in loops that also load or store the rows a and b
+    (None, or arrays with x's columns): x's own (``lanes_zeros``: paired for
+    bfloat16), or in column order where a or b is of another storage type (a
+    float32 weight beside bfloat16 rows, float32 partials), which paired lanes
+    would shuffle at each load and store (bfloat16 norms with float32 weights ran
+    0.85-0.97x paired; ab.py --weight-dtype float32, 2026-12-07)."""
+    raise NotImplementedError
+
+
+@overload(_lanes_beside)
+def _lanes_beside_impl(x, a, b):
+    dtype = x.dtype
+    if all(isinstance(p, types.NoneType) or p.dtype == dtype for p in (a, b)):
+        return lambda x, a, b: lanes_zeros(x)
+    return lambda x, a, b: ordered_lanes_zeros(x)
+
+
 def _with_lanes_param(combine, doc):
     """The lanes form of ``_with_param``: f(v, param, c, k) = combine(v,
     param[c:c+k] as v's lanes), or v when param is None."""
@@ -658,8 +676,8 @@ def _grad_sums_blocks(n, dy, weight, x, center):
 
 @_row
 def _grad_sums_span(dy, weight, x, center, c0, c1):
-    """``_grad_sums`` of columns c0..c1-1, in lanes."""
-    dot = gsum = lanes_zeros(x)
+    """``_grad_sums`` of columns c0..c1-1, in lanes (``_lanes_beside`` the weight)."""
+    dot = gsum = _lanes_beside(x, weight, None)
     step = lanes_count(dot)
     for c in range(c0, c1 - step + 1, step):
         dot, gsum = _grad_sums_block(dy, weight, x, center, dot, gsum, c, step)
@@ -671,8 +689,8 @@ def _grad_sums_span(dy, weight, x, center, c0, c1):
 
 @_row
 def _grad_sums_block(dy, weight, x, center, dot, gsum, c, k):
-    g = _vtimes(lanes_load(dy, c, k), weight, c, k)     # 0 in the padded lanes
-    v = lanes_keep(_centered(lanes_load(x, c, k), center), k, acc(x, 0.0))
+    g = _vtimes(lanes_load_like(dy, c, k, dot), weight, c, k)     # 0 in the padded lanes
+    v = lanes_keep(_centered(lanes_load_like(x, c, k, dot), center), k, acc(x, 0.0))
     return _fma(g, v, dot), gsum + g
 
 
@@ -1098,7 +1116,8 @@ def _rms_norm_fwd_sum(xa, ss, c, k):
 
 @_row
 def _rms_norm_fwd_store(xc, weight, rstd, yc, c, k):
-    lanes_store(yc, c, _vtimes(lanes_load(xc, c, k) * rstd, weight, c, k), k)
+    v = lanes_load_like(xc, c, k, _lanes_beside(xc, weight, None))
+    lanes_store(yc, c, _vtimes(v * rstd, weight, c, k), k)
 
 
 @_row
@@ -1351,7 +1370,8 @@ def _layer_norm_fwd_block(xa, m0, inv_cols, xc, weight, bias, mean, rstd, yc, sm
 @_row
 def _layer_norm_fwd_store(xc, weight, bias, mean, rstd, yc, c, k):
     """yc[c:c+k] = (xc - mean) * rstd * weight + bias (the last two by an FMA)."""
-    lanes_store(yc, c, _vaffine((lanes_load(xc, c, k) - mean) * rstd, weight, bias, c, k), k)
+    v = lanes_load_like(xc, c, k, _lanes_beside(xc, weight, bias))
+    lanes_store(yc, c, _vaffine((v - mean) * rstd, weight, bias, c, k), k)
 
 
 @_row
@@ -1762,7 +1782,7 @@ def _norm_bwd_stage2_at(n, dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, 
 def _norm_bwd_span2(dyc0, xc0, dyc1, xc1, weight, meanc0, rstdc0, dotc0, gmeanc0, meanc1,
                     rstdc1, dotc1, gmeanc1, dxc0, dxc1, dweight, dbias, first, dya0, xa0,
                     meana0, dya1, xa1, meana1, c0, c1, ahead):
-    s0 = g0 = s1 = g1 = lanes_zeros(xc0)
+    s0 = g0 = s1 = g1 = _lanes_beside(xc0, weight, None)   # as _grad_sums_span
     step = lanes_count(s0)
     for c in range(c0, c1 - step + 1, step):
         _prefetch_ahead(dya0, c, ahead)
@@ -1819,7 +1839,7 @@ def _norm_bwd_stage_at(n, dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dwei
 @_row
 def _norm_bwd_stage_span(dyc, xc, weight, meanc, rstdc, dotc, gmeanc, dxc, dweight, dbias,
                          first, dya, xa, meana, c0, c1, ahead):
-    s = g = lanes_zeros(xc)
+    s = g = _lanes_beside(xc, weight, None)     # as _grad_sums_span
     step = lanes_count(s)
     for c in range(c0, c1 - step + 1, step):
         _prefetch_halves(dya, c + PREFETCH_AHEAD)
@@ -1861,28 +1881,14 @@ def _norm_bwd_store_span(c0, c1, dy, x, weight, mean, rstd, dot, gmean, dx, dwei
                         c1 - (c1 - c0) % step, (c1 - c0) % step)
 
 
-def _bwd_store_lanes(x, dbias):
-    """Zero lanes for the norm backwards' store: in column order where there are
-    dbias partials (LayerNorm), paired for bfloat16 rows otherwise. The float32
-    partials are in column order, and paired lanes shuffle each partial block
-    both ways: with dweight and dbias that cost more than the paired loads save
-    (bfloat16 layer_norm bwd 0.95-0.98x in cache), with dweight alone less
-    (rms_norm bwd 1.10x paired, 0.99-1.08x in column order; ab.py, 2026-12-07)."""
-    raise NotImplementedError
-
-
-@overload(_bwd_store_lanes)
-def _bwd_store_lanes_impl(x, dbias):
-    if isinstance(dbias, types.NoneType):
-        return lambda x, dbias: lanes_zeros(x)
-    return lambda x, dbias: ordered_lanes_zeros(x)
-
-
 @_row
 def _norm_bwd_block(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first, c, k):
     """``_layer_norm_bwd_store``'s operations on columns c..c+k-1 (dy loaded before
-    dx is stored: in place they are one row). Lanes: ``_bwd_store_lanes``."""
-    like = _bwd_store_lanes(x, dbias)
+    dx is stored: in place they are one row). Lanes: ``_lanes_beside`` the weight
+    and dbias (not dweight: rms_norm bwd ran 1.10x with paired lanes, 0.99-1.08x
+    in column order; layer_norm bwd 0.95-0.98x paired; bfloat16 in cache, ab.py,
+    2026-12-07)."""
+    like = _lanes_beside(x, weight, dbias)
     d = lanes_load_like(dy, c, k, like)
     xhat = _centered(lanes_load_like(x, c, k, like), mean) * rstd
     _vadd_into(dweight, c, d * xhat, k, first)
