@@ -1884,11 +1884,13 @@ def _norm_bwd_store_span(c0, c1, dy, x, weight, mean, rstd, dot, gmean, dx, dwei
 @_row
 def _norm_bwd_block(dy, x, weight, mean, rstd, dot, gmean, dx, dweight, dbias, first, c, k):
     """``_layer_norm_bwd_store``'s operations on columns c..c+k-1 (dy loaded before
-    dx is stored: in place they are one row). Lanes: ``_lanes_beside`` the weight
-    and dbias (not dweight: rms_norm bwd ran 1.10x with paired lanes, 0.99-1.08x
-    in column order; layer_norm bwd 0.95-0.98x paired; bfloat16 in cache, ab.py,
-    2026-12-07)."""
-    like = _lanes_beside(x, weight, dbias)
+    dx is stored: in place they are one row). Lanes ``_lanes_beside`` the float32
+    dweight/dbias partials, so in column order wherever there are any: paired
+    lanes shuffle each partial block both ways (bfloat16, ab.py 2026-12-07, paired
+    against column order: rms_norm bwd 0.87-0.92x from memory, 0.89-0.97x in
+    cache; layer_norm bwd 0.95-0.98x in cache). The weight is either the rows'
+    type, or float32 and then has float32 partials."""
+    like = _lanes_beside(x, dweight, dbias)
     d = lanes_load_like(dy, c, k, like)
     xhat = _centered(lanes_load_like(x, c, k, like), mean) * rstd
     _vadd_into(dweight, c, d * xhat, k, first)
