@@ -182,11 +182,11 @@ def _elem_pointer(context, builder, aty, arr, c, inbounds=True):
     return builder.gep(arr, [c], inbounds=inbounds)
 
 
-def _part_pointers(builder, ptr, part_ty):
-    """Pointers to the PARTS consecutive vectors of ``part_ty`` from ``ptr``."""
+def _part_pointers(builder, ptr, part_ty, count=PARTS):
+    """Pointers to the ``count`` consecutive vectors of ``part_ty`` from ``ptr``."""
     return [builder.bitcast(builder.gep(ptr, [ir.Constant(ir.IntType(64), i * part_ty.count)],
                                         inbounds=True), part_ty.as_pointer())
-            for i in range(PARTS)]
+            for i in range(count)]
 
 
 class Stream(types.Type):
@@ -354,13 +354,6 @@ def _column_masks(builder, k, cols):
             for cs in cols]
 
 
-def _pair_pointers(builder, ptr, pair_ty):
-    """Pointers to the PARTS // 2 consecutive vectors of ``pair_ty`` from ``ptr``."""
-    return [builder.bitcast(builder.gep(ptr, [ir.Constant(ir.IntType(64), i * pair_ty.count)],
-                                        inbounds=True), pair_ty.as_pointer())
-            for i in range(PARTS // 2)]
-
-
 def _deinterleave(builder, value):
     """(even elements, odd elements) of a vector."""
     i32 = ir.IntType(32)
@@ -473,7 +466,7 @@ def _load_codegen(lt):
         parts = []
         if lt.paired:
             pair_ty = ir.VectorType(sty, 2 * part_ty.count)
-            for p, mask in zip(_pair_pointers(builder, ptr, pair_ty),
+            for p, mask in zip(_part_pointers(builder, ptr, pair_ty, PARTS // 2),
                                _masks(builder, k, pair_ty.count, PARTS // 2)):
                 parts += _widen_pair(builder, _masked_load(builder, p, mask, size),
                                      aty.dtype, elem)
@@ -577,7 +570,7 @@ def lanes_store(typingctx, arr, c, v, k):
         if lt.paired:
             # a pair of parts, interleaved, is one vector of consecutive columns
             part_ty = ir.VectorType(sty, 2 * part_ty.count)
-            pointers = _pair_pointers(builder, ptr, part_ty)
+            pointers = _part_pointers(builder, ptr, part_ty, PARTS // 2)
             masks = _masks(builder, k, part_ty.count, PARTS // 2)
         else:
             pointers = _part_pointers(builder, ptr, part_ty)

@@ -24,11 +24,11 @@ def timed_rows(stdout):
 @needs_git
 def test_ab_runs_base_beside_working_tree():
     """One run (each compiles the base revision's kernels afresh: ~10 s), with
-    ``--evict``."""
+    ``--evict`` and ``--weight-dtype``."""
     r = ab("--base", "HEAD", "--ops", "rms_fwd,softmax_bwd", "--shapes", "4x64",
-           "--dtypes", "float32", "--rounds", "2", "--evict", "1")
+           "--dtypes", "float32", "--rounds", "2", "--evict", "1", "--weight-dtype", "float32")
     assert r.returncode == 0, r.stderr
-    assert "1 MiB written before each" in r.stdout
+    assert "1 MiB written before each; float32 weight and bias" in r.stdout
     rows = timed_rows(r.stdout)
     assert [l.split()[0] for l in rows] == ["rms_fwd", "softmax_bwd"]
     for l in rows:
