@@ -546,15 +546,25 @@ def _softmax_long_stage_at(x, m, scratch, c0, c1, d1):
 
 
 @_row
-def _scaled_store(scratch, f, y, c0, c1):
-    """y[c0:c1] = scratch[c0:c1] * f, rounded once (scratch may be y itself)."""
-    _scaled_store_at(_data(scratch), f, _data(y), c0, c1)
+def _scaled_store(scratch, f, y, c0, c1, stream):
+    """y[c0:c1] = scratch[c0:c1] * f, rounded once (scratch may be y itself; then
+    stream is False)."""
+    _scaled_store_at(_data(scratch), f, _fwd_stream(_data(y), stream), c0, c1)
 
 
 @_lanes_fn
 def _scaled_store_at(scratch, f, y, c0, c1):
     """``_scaled_store`` on data pointers (see ``_lanes_fn``)."""
     _aligned_frame()
+    on, plain = stream_parts(y)
+    if on:
+        _scaled_store_loop(scratch, f, y, c0, c1)
+    else:
+        _scaled_store_loop(scratch, f, plain, c0, c1)
+
+
+@_row
+def _scaled_store_loop(scratch, f, y, c0, c1):
     like = wide_lanes_zeros(scratch)
     step = lanes_count(like)
     n = c1 - c0
@@ -769,6 +779,15 @@ def _softmax_fwd_rows(x, y, lo, hi, sa, sb, spare):
 LONG_BLOCK = 1 << 13
 Y_EXPS_ROW_BYTES = 1 << 12
 Y_EXPS_BLOCK = 1 << 9
+#: float32 rows of at most this many bytes keep their exps in a scratch row when y
+#: streams (``_streams``), and the store pass writes y with non-temporal stores:
+#: exps in y cost a read of each line of y before it is written (a third of the
+#: traffic). ab.py --evict 64 against exps in y, AMD EPYC, 2026-12-07, float32,
+#: 1,280-2,048 columns 1.16-1.26x, 3,072 1.05x, but 4,096 0.84x and 6,144-16,384
+#: 0.71-0.76x (the store pass then streams 16 KiB or more in a burst, with nothing
+#: to compute meanwhile); float64, its exp heavier, 0.87-1.08x at 640-1,280 columns
+#: and 0.65-0.89x from 1,792
+STREAM_EXPS_ROW_BYTES = 1 << 13
 
 
 def long_cols(dtype):
@@ -803,7 +822,7 @@ _long_block = _of_storage(long_block)
 
 
 @_row
-def _softmax_fwd_long_row(x, y, scratch, bmax, bsum):
+def _softmax_fwd_long_row(x, y, scratch, bmax, bsum, stream):
     """y = softmax(x) for a row of more than ``long_cols`` columns, by blocks of
     B = ``long_block`` columns: block j's exps e = exp(x - m_j) about its own max
     m_j, and their sum s_j, go into ``scratch`` while the next block's max is taken
@@ -817,7 +836,8 @@ def _softmax_fwd_long_row(x, y, scratch, bmax, bsum):
     bits do not depend on the rows beside it. The exps take one more rounding
     (the factor) than ``_softmax_fwd_row``'s. A block of -inf only (masking) has
     e = 0 and factor 0; NaN and +inf give NaN rows, and a row of -inf only NaN,
-    as ``_softmax_fwd_row``."""
+    as ``_softmax_fwd_row``. stream: the store pass writes y with non-temporal
+    stores (``_fwd_stream``; scratch is then not y)."""
     n, B = x.shape[0], _long_block(x)
     blocks = (n + B - 1) // B
     mx = _max(x[:B])
@@ -825,7 +845,7 @@ def _softmax_fwd_long_row(x, y, scratch, bmax, bsum):
         mx = _long_block_exps(x, scratch, bmax, bsum, j, mx, min(n, (j + 2) * B))
     _long_factors(x, bmax, bsum)
     for j in range(blocks):
-        _scaled_store(scratch, bsum[j], y, j * B, min(n, (j + 1) * B))
+        _scaled_store(scratch, bsum[j], y, j * B, min(n, (j + 1) * B), stream)
 
 
 @_row
@@ -2020,10 +2040,24 @@ def _fwd_stream_impl(row, on):
     return lambda row, on: streaming(row, on)
 
 
+def _long_streams(y, cols):
+    """Whether a long softmax row of ``cols`` columns keeps its exps in scratch and
+    streams y (see STREAM_EXPS_ROW_BYTES): float32 y only."""
+    raise NotImplementedError
+
+
+@overload(_long_streams)
+def _long_streams_impl(y, cols):
+    if y.dtype == types.float32:
+        return lambda y, cols: _streams(y) and cols * 4 <= STREAM_EXPS_ROW_BYTES
+    return lambda y, cols: False
+
+
 def _exps_into(y, scratch):
     """Where a long row's exps go (``_softmax_fwd_long_row``): y itself when y's
     type is the accumulator type (the store then rescales y in place: the same
-    bits, one row less in the caches), else the accumulator-typed scratch."""
+    bits, one row less in the caches; but see STREAM_EXPS_ROW_BYTES), else the
+    accumulator-typed scratch."""
     raise NotImplementedError
 
 
@@ -2769,14 +2803,19 @@ def _build_long(loop):
         rows, cols = x.shape[0] * x.shape[1], x.shape[2]
         blocks = (cols + _long_block(x) - 1) // _long_block(x)
         chunks = _thread_chunks(rows, threads, parallel)   # one scratch row per thread
+        stream = _long_streams(y, cols)
         for k in loop(chunks):
             frame = _frame_on_page()
             _wide_vectors()
-            scratch = _acc_empty(x, _scratch_elems(y, x, cols))   # none when y takes the exps
+            scratch = _acc_empty(x, cols if stream else _scratch_elems(y, x, cols))
             bmax, bsum = _acc_empty(x, blocks), _acc_empty(x, blocks)
             for r in range(k * rows // chunks, (k + 1) * rows // chunks):
                 yr = _row_at(y, r)
-                _softmax_fwd_long_row(_row_at(x, r), yr, _exps_into(yr, scratch), bmax, bsum)
+                if stream:
+                    _softmax_fwd_long_row(_row_at(x, r), yr, scratch, bmax, bsum, True)
+                else:
+                    _softmax_fwd_long_row(_row_at(x, r), yr, _exps_into(yr, scratch), bmax,
+                                          bsum, False)
             _frame_back(frame)
     return softmax_fwd_long
 
@@ -2818,7 +2857,7 @@ def softmax_fwd_long_blocked(x, y, threads):
             r, j = p // blocks, p % blocks
             yr = _row_at(y, r)
             _scaled_store(_exps_into(yr, scratch[r * cols:(r + 1) * cols]), bsum[p], yr,
-                          j * B, min(cols, (j + 1) * B))
+                          j * B, min(cols, (j + 1) * B), False)
         _frame_back(frame)
 
 

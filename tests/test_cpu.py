@@ -950,6 +950,37 @@ def test_softmax_fwd_long_rows(rng, restore_threads, dtype, blocks):
     assert_close(y[finite], ref.softmax_fwd(x[finite]), what="y")
 
 
+@pytest.mark.parametrize("cols", [cpu.Y_EXPS_ROW_BYTES // 4 + 513,
+                                  cpu.STREAM_EXPS_ROW_BYTES // 4])
+def test_softmax_fwd_streamed_long_rows(rng, restore_threads, cols):
+    """float32 long rows of at most cpu.STREAM_EXPS_ROW_BYTES in an output of
+    cpu.STREAM_BYTES or more keep their exps in a scratch row and stream y
+    (cpu._long_streams); every row has the bits of the same row alone (exps in y),
+    on a line-aligned and a misaligned output (non-temporal and ordinary stores),
+    on two threads and on one, nothing outside ``out`` is written, and the values
+    match the reference."""
+    rows = cpu.STREAM_BYTES // (4 * cols) + 3
+    rule = numba.njit(lambda y, n: cpu._long_streams(y, n))
+    assert rule(np.empty((rows, cols), F32), cols)
+    assert not rule(np.empty((rows, 2 * cols), F32), 2 * cols)     # longer rows: exps in y
+    assert not rule(np.empty((rows // 2, cols), F32), cols)        # smaller outputs
+    assert not rule(np.empty((rows, cols), F64), cols)
+    x = draw(rng, (rows, cols), F32, scale=3.0)
+    x[1, 100:700] = -np.inf                  # a block of -inf and part of the next
+    picks = [0, 1, 2, rows // 2, rows - 1]
+    alone = np.concatenate([nf.softmax_fwd(x[r:r + 1]) for r in picks])
+    for threads in (2, 1):
+        numba.set_num_threads(min(threads, restore_threads))
+        for offset in (0, 16):
+            buf, out = at_line_offset(x.shape, F32, offset, 0xFF)   # all-ones bytes: NaN
+            assert nf.softmax_fwd(x, out=out) is out
+            o = out.ctypes.data - buf.ctypes.data
+            assert (buf[:o] == 0xFF).all() and (buf[o + out.nbytes:] == 0xFF).all()
+            assert_bits_equal(out[picks], alone, f"rows alone, {threads} threads, {offset}")
+    assert np.all(out[1, 100:700] == 0)
+    assert_close(out, ref.softmax_fwd(x), what="y")
+
+
 @pytest.mark.parametrize("rows", [4, 13, 97])
 @pytest.mark.parametrize("cols", [1, 33, 1000, 1500, cpu.PAIR_BYTES // 2 + 37])
 @pytest.mark.parametrize("op", ["rms_norm_fwd", "layer_norm_fwd"])
