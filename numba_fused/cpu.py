@@ -1401,7 +1401,9 @@ def _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, lo, hi):
     stores row r; a row that needs the second statistics pass takes it while in
     cache, before its store. Statistics and store: see ``_layer_norm_store``.
     Rows of PAIR_BYTES and more go two at a time (``_layer_norm_fwd_pairs``), and
-    float32/float64 rows a little shorter unpipelined (``_ln_fwd_two_passes``)."""
+    float32/float64 rows a little shorter unpipelined (``_ln_fwd_two_passes``). y
+    is written with non-temporal stores from STREAM_BYTES on in every dtype (see
+    ``_fwd_stream``)."""
     if _paired(x, lo, hi):
         _layer_norm_fwd_pairs(x, weight, bias, eps, y, mean, rstd, lo, hi)
         return
@@ -1414,7 +1416,7 @@ def _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, lo, hi):
                                        inv_cols, eps)
             mean[r], rstd[r] = mc, rc
             _layer_norm_store_at(x.shape[2], _data(xr), _data(weight), _data(bias), mc, rc,
-                                 _data(_fwd_stream(_row_at(y, r), stream)))
+                                 _data(streaming(_row_at(y, r), stream)))
         return
     xa = _row_at(x, lo)
     mc, rc = _layer_norm_stats(xa, _moments(xa, _layer_norm_shift(xa), inv_cols), inv_cols,
@@ -1424,7 +1426,7 @@ def _layer_norm_fwd_rows(x, weight, bias, eps, y, mean, rstd, lo, hi):
     for r in range(lo, hi - 1):
         xa = _row_at(x, r + 1)
         sums = _layer_norm_fwd_stage(xa, _layer_norm_shift(xa), inv_cols, _row_at(x, r),
-                                     weight, bias, mc, rc, _fwd_stream(_row_at(y, r), stream),
+                                     weight, bias, mc, rc, streaming(_row_at(y, r), stream),
                                      ahead)
         mc, rc = _layer_norm_stats(xa, sums, inv_cols, eps)
         mean[r + 1], rstd[r + 1] = mc, rc
@@ -1498,8 +1500,8 @@ def _layer_norm_fwd_pairs(x, weight, bias, eps, y, mean, rstd, lo, hi):
             x.shape[2], _data(xa0), _data(xa1), _layer_norm_shift(xa0),
             _layer_norm_shift(xa1), inv_cols, _data(_row_at(x, r)), _data(_row_at(x, r + 1)),
             _data(weight), _data(bias), acc(x, mean[r]), acc(x, rstd[r]),
-            acc(x, mean[r + 1]), acc(x, rstd[r + 1]), _fwd_stream(_row_at(y, r), stream),
-            _fwd_stream(_row_at(y, r + 1), stream), ahead)
+            acc(x, mean[r + 1]), acc(x, rstd[r + 1]), streaming(_row_at(y, r), stream),
+            streaming(_row_at(y, r + 1), stream), ahead)
         mean[r + 2], rstd[r + 2] = _layer_norm_stats(xa0, (s[0], s[1], s[2]), inv_cols, eps)
         mean[r + 3], rstd[r + 3] = _layer_norm_stats(xa1, (s[3], s[4], s[5]), inv_cols, eps)
         r += 2
@@ -2019,17 +2021,16 @@ def _streams_impl(out):
 
 
 def _fwd_stream(row, on):
-    """A forward's output row for the pipelined stage: ``streaming(row, on)``,
-    but the plain row for float16/bfloat16 storage. Their forwards are
-    compute-bound here, and non-temporal stores cost them time (ab.py --evict 64,
-    AMD EPYC, 2026-12-06, bfloat16: softmax fwd 0.87-0.92x at 4096x4096 and
-    8192x2048, layer_norm fwd 0.89x at 65536x1024); a plain row also compiles
-    no second store path. Retried on 2026-12-06 (evening), after the half
-    forwards had lost some 10-20% of their arithmetic: softmax fwd still
-    0.84-0.93x, layer_norm fwd 0.96-0.97x, but rms_norm fwd bfloat16 1.26-1.39x
-    (4096x4096, 8192x2048, 65536x1024; 1.16x at 1024x16384; float16 0.99x), so
-    the rms_norm forward streams in every dtype (``streaming`` itself).
-    Why bfloat16 and not the others was not found."""
+    """A softmax forward's output row: ``streaming(row, on)``, but the plain row
+    for float16/bfloat16 storage. Their softmax is compute-bound here (its exp),
+    and non-temporal stores cost it time (ab.py --evict 64, AMD EPYC, 2026-12-06,
+    bfloat16: 0.87-0.92x at 4096x4096 and 8192x2048; 0.84-0.93x again that
+    evening; 0.95-1.08x on 2026-12-07 with paired lanes); a plain row also
+    compiles no second store path. The norm forwards stream in every dtype
+    (``streaming`` itself): rms_norm fwd bfloat16 1.26-1.39x (2026-12-06
+    evening; float16 0.99x), layer_norm fwd bfloat16 1.12-1.35x once paired
+    lanes had lightened its arithmetic (2026-12-07, 4096x4096, 8192x2048,
+    16384x1024-3072, 65536x1024; 0.96-0.97x before; float16 0.96-1.03x)."""
     raise NotImplementedError
 
 

@@ -582,9 +582,10 @@ def test_param_grad_buffers_are_not_reused_across_calls(rng):
 #: outputs of cpu.STREAM_BYTES and more: 1,024 and 4,096 columns (row pipeline and
 #: pairs), 1,000 (4,000-byte rows: every other row starts on a cache line), 3,001
 #: (rows start at every 4-byte offset in a line; the elementwise store loops store
-#: a head up to the line first: _lanes.stream_head)
+#: a head up to the line first: _lanes.stream_head); bfloat16 one row a pass and
+#: (8,192 columns) two
 STREAM_CASES = [((4096, 1024), F32), ((4200, 1000), F32), ((1024, 4096), F32),
-                ((1400, 3001), F32), ((8192, 1024), BF16)]
+                ((1400, 3001), F32), ((8192, 1024), BF16), ((1024, 8192), BF16)]
 
 
 @pytest.mark.parametrize("shape, dtype", STREAM_CASES,
