@@ -783,7 +783,7 @@ Y_EXPS_BLOCK = 1 << 9
 #: streams (``_streams``), and the store pass writes y with non-temporal stores:
 #: exps in y cost a read of each line of y before it is written (a third of the
 #: traffic). ab.py --evict 64 against exps in y, AMD EPYC, 2026-12-07, float32,
-#: 1,280-2,048 columns 1.16-1.26x, 3,072 1.05x, but 4,096 0.84x and 6,144-16,384
+#: 1,280-2,048 columns 1.10-1.26x, 3,072 1.05x, but 4,096 0.84x and 6,144-16,384
 #: 0.71-0.76x (the store pass then streams 16 KiB or more in a burst, with nothing
 #: to compute meanwhile); float64, its exp heavier, 0.87-1.08x at 640-1,280 columns
 #: and 0.65-0.89x from 1,792
@@ -2028,9 +2028,11 @@ def _fwd_stream(row, on):
     evening; 0.95-1.08x on 2026-12-07 with paired lanes); a plain row also
     compiles no second store path. The norm forwards stream in every dtype
     (``streaming`` itself): rms_norm fwd bfloat16 1.26-1.39x (2026-12-06
-    evening; float16 0.99x), layer_norm fwd bfloat16 1.12-1.35x once paired
-    lanes had lightened its arithmetic (2026-12-07, 4096x4096, 8192x2048,
-    16384x1024-3072, 65536x1024; 0.96-0.97x before; float16 0.96-1.03x)."""
+    evening; float16 0.99x), layer_norm fwd bfloat16 once paired lanes had
+    lightened its arithmetic (0.96-0.97x before): 2026-12-07, five runs at
+    512-16384 columns, 1.05-1.35x in most cells, 0.86-0.98x once each at
+    32768x2048, 65536x1024 and 8192x2048 (1.12-1.21x in their other runs);
+    float16 0.96-1.03x."""
     raise NotImplementedError
 
 
