@@ -940,8 +940,7 @@ def _softmax_bwd_pipelined_impl(y, shared):
     there as well (float32 8192x2048 and 65536x1024 pipelined: 0.97-0.98x)."""
     if y.dtype in (types.float32, types.float64):
         floor = SOFTMAX_BWD_PIPELINE_BYTES // (y.dtype.bitwidth // 8)
-        return lambda y, shared: y.shape[2] >= floor and (shared or y.shape[2] >= WIDE_COLS
-                                                          or _prefetches(y))
+        return lambda y, shared: y.shape[2] >= floor and _pipeline_threads(y, shared)
     return lambda y, shared: True
 
 
@@ -2120,6 +2119,16 @@ PREFETCH_L2_BYTES = 1 << 15
 
 
 @njit(inline='always')
+def _pipeline_threads(a, shared):
+    """The float32/float64 backwards' thread rule for their pipelines
+    (``_softmax_bwd_pipelined``, ``_rows_pipelined``): a call on more than one
+    thread (``shared``), rows of WIDE_COLS and more, or a call whose stages
+    prefetch (``_prefetches``); on one thread otherwise, a row's two passes in
+    turn keep more lines in flight than the stage."""
+    return shared or a.shape[2] >= WIDE_COLS or _prefetches(a)
+
+
+@njit(inline='always')
 def _prefetches(a):
     """Whether the pipelined stages of a call on ``a`` prefetch (``_ahead``): at
     the size from which outputs stream (``_streams``), which leave the caches
@@ -2348,7 +2357,7 @@ def _rows_pipelined_impl(x, shared):
         streamed = STREAMED_BWD_PIPELINE_BYTES // (x.dtype.bitwidth // 8)
         return lambda x, shared: (
             x.shape[2] >= (streamed if _prefetches(x) else floor)
-            and (shared or x.shape[2] >= WIDE_COLS or _prefetches(x)))
+            and _pipeline_threads(x, shared))
     return lambda x, shared: x.shape[2] >= HALF_BWD_PIPELINE_COLS
 
 
@@ -3415,17 +3424,22 @@ def warmup(dtypes=None, verbose=False, jobs=1):
                 min(jobs, len(groups)), multiprocessing.get_context("spawn")) as ex:
             futures = [(g, ex.submit(_warm_group, *g)) for g in groups]
             for (dt, build, pdt, _), f in futures:
-                key = f"{dt}/{pdt}/{build}"
+                key = _warm_key(dt, build, pdt)
                 timings[key] = timings.get(key, 0.0) + f.result()
     here = {}
     for dt, build, pdt, op in groups:       # with jobs: loads what the workers compiled
-        key = f"{dt}/{pdt}/{build}"
+        key = _warm_key(dt, build, pdt)
         here[key] = here.get(key, 0.0) + _warm_group(dt, build, pdt, op)
     for key, seconds in here.items():
         timings.setdefault(key, seconds)
         if verbose:
             print(f"  {key}: {timings[key]:.2f} s" + (" (workers)" if jobs > 1 else ""))
     return timings
+
+
+def _warm_key(dtype, build, pdt):
+    """A warmup timing's key: "dtype/weight dtype/build"."""
+    return f"{dtype}/{pdt}/{build}"
 
 
 def _warm_group(dtype, build, pdt, op):
