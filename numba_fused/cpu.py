@@ -2823,6 +2823,10 @@ def _build_long(loop):
             bmax, bsum = _acc_empty(x, blocks), _acc_empty(x, blocks)
             for r in range(k * rows // chunks, (k + 1) * rows // chunks):
                 yr = _row_at(y, r)
+                # two calls, not one on exps chosen at run time (scratch if stream
+                # else y): that ran 0.84-0.85x at 1,792-2,048 columns (ab.py --evict
+                # 64, 2026-12-08), likely as the store loop can no longer tell that
+                # scratch is not y
                 if stream:
                     _softmax_fwd_long_row(_row_at(x, r), yr, scratch, bmax, bsum, True)
                 else:
