@@ -18,7 +18,7 @@ Accuracy (tests/test_vecmath.py, measured): <= 1.0 ulp in float32 (Cephes
 coefficients) and float64 (degree-13 Taylor on |r| <= 0.347; truncation < 5e-18),
 over 91% correctly rounded. On AVX-512 float32's ``exp_nonpos`` reduces by ln2/16
 instead and reads 2**(j/16) from a 16-entry table with one vector permute
-(``exp_nonpos_f32_table``): a degree-3 polynomial, 12 vector operations per
+(``exp_nonpos_f32_table``): a degree-3 polynomial, 11 vector operations per
 vector instead of 14, <= 1.06 ulp, 82% correctly rounded; the bfloat16 softmax
 forward, bound by its arithmetic, gained 1.08-1.15x (2026-12-06).
 exp(-inf) = +0 exactly, overflow gives +inf, NaN propagates.
@@ -158,6 +158,8 @@ def _scale_shifted_intrinsic(fty, bits, bias, magic, shift, steps=0):
                      .view(np.int32 if bits == 32 else np.int64))
     mant = 23 if bits == 32 else 52
     down = float(2.0 ** -shift)
+    # t - magic counts units of magic's last place; vscalef wants binades
+    per_binade = float(2.0 ** -steps / np.spacing(np.float32(magic) if bits == 32 else magic))
 
     @intrinsic
     def scale(typingctx, p, t):
@@ -170,8 +172,8 @@ def _scale_shifted_intrinsic(fty, bits, bias, magic, shift, steps=0):
                 scalef = _scalef(b, p.type)
                 if scalef is not None:
                     n = b.fsub(t, const_like(p.type, magic))
-                    if steps:       # exact; vscalef floors it
-                        n = b.fmul(n, const_like(p.type, 2.0 ** -steps))
+                    if per_binade != 1.0:       # exact; vscalef floors it
+                        n = b.fmul(n, const_like(p.type, per_binade))
                     mask = const_like(scalef.args[3].type, -1)
                     current_rounding = [ir.Constant(ir.IntType(32), 4)][:len(scalef.args) - 4]
                     return b.call(scalef, [p, n, p, mask] + current_rounding)
@@ -189,7 +191,8 @@ _scale32 = _scale_intrinsic(types.float32, types.int32, 32, 127, _MAGIC32)
 _scale64 = _scale_intrinsic(types.float64, types.int64, 64, 1023, _MAGIC64)
 _scale32_nonpos = _scale_shifted_intrinsic(types.float32, 32, 127, _MAGIC32, 64)
 _scale64_nonpos = _scale_shifted_intrinsic(types.float64, 64, 1023, _MAGIC64, 512)
-_scale32_nonpos_16ths = _scale_shifted_intrinsic(types.float32, 32, 127, _MAGIC32, 64, steps=4)
+_scale32_nonpos_16ths = _scale_shifted_intrinsic(types.float32, 32, 127, _MAGIC32 / 16, 64,
+                                                 steps=4)
 
 #: 2**(j/16), j = 0..15, each rounded to float32 (the table exp's)
 EXP2_16THS = [float(np.float32(2.0 ** (j / 16.0))) for j in range(16)]
@@ -199,9 +202,10 @@ _PERMUTE_16 = {16: "llvm.x86.avx512.permvar.sf.512",      # vpermps: index bits 
 
 @intrinsic
 def _exp2_16ths(typingctx, t):
-    """EXP2_16THS[n mod 16] for the integer n held in t = n + _MAGIC32 (magic's low
-    mantissa bits are 0, so t's low 4 bits are n mod 16, negative n included). In
-    lanes on AVX-512 one permute per vector from a table held in registers; scalars
+    """EXP2_16THS[n mod 16] for the integer n held in t = n/16 + _MAGIC32/16 (n in
+    units of t's last place; magic's low mantissa bits are 0, so t's low 4 bits are
+    n mod 16, negative n included). In lanes on AVX-512 one permute per vector from a
+    table held in registers; scalars
     load it from a constant (LLVM's lowering of a variable extractelement)."""
     if not (t == types.float32 or (isinstance(t, Lanes) and t.dtype == types.float32)):
         return None
@@ -314,12 +318,16 @@ def exp_nonpos_f32_table(x):
     exact first step: the FMA's product is exact and r needs 23 bits), exp(r) - 1 =
     q = r + r**2/2 + r**3/6 (truncation <= 0.08 ulp), T = 2**(j/16) rounded, the
     result T + T q rounded once by an FMA and scaled as ``exp_nonpos_f32_poly``:
-    <= 1.1 ulp (tests/test_vecmath.py). 12 vector operations against the
-    polynomial's 14 (degree 3 instead of 7, for a permute and a multiply)."""
+    <= 1.1 ulp (tests/test_vecmath.py). 11 vector operations against the
+    polynomial's 14 (degree 3 instead of 7, for a permute and a multiply).
+    The rounding constant is magic/16, so t - magic/16 = n/16 in binades, what
+    vscalef takes, and t's low 4 bits still hold j: the same bits as rounding n
+    itself, without a multiply by 1/16 per vector (bfloat16 softmax forward
+    1.03-1.07x, float32 1.00-1.07x, ab.py 2026-12-08)."""
     x = _clamp_below(x, _f32(-104.0))
-    t = _fma(x, _f32(16.0 * _LOG2E), _f32(_MAGIC32))
-    n = t - _f32(_MAGIC32)
-    r = _fma(n, _f32(-_LN2_16_LO), _fma(n, _f32(-_LN2_16_HI), x))
+    t = _fma(x, _f32(_LOG2E), _f32(_MAGIC32 / 16))
+    n = t - _f32(_MAGIC32 / 16)
+    r = _fma(n, _f32(-16.0 * _LN2_16_LO), _fma(n, _f32(-16.0 * _LN2_16_HI), x))
     q = _fma(_fma(r, _f32(1.0 / 6.0), _f32(0.5)), r, _f32(1.0)) * r
     table = _exp2_16ths(t)
     return _scale32_nonpos_16ths(_fma(table, q, table), t)
