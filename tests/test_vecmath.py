@@ -28,8 +28,9 @@ def _vectorized(fn):
 
 EXP = {"exp": (_vectorized(V.exp_f32), _vectorized(V.exp_f64)),
        "exp_nonpos": (_vectorized(V.exp_nonpos_f32), _vectorized(V.exp_nonpos_f64)),
-       # float32's exp_nonpos without AVX-512 (the table exp's permute is AVX-512's)
-       "exp_nonpos_poly": (_vectorized(V.exp_nonpos_f32_poly), _vectorized(V.exp_nonpos_f64))}
+       # exp_nonpos without AVX-512 (the table exps' permutes are AVX-512's)
+       "exp_nonpos_poly": (_vectorized(V.exp_nonpos_f32_poly),
+                           _vectorized(V.exp_nonpos_f64_poly))}
 
 
 def _args(dtype, kind, n=400_000):
@@ -40,8 +41,8 @@ def _args(dtype, kind, n=400_000):
     lo = float(np.log(fi.smallest_subnormal)) - 1.0
     hi = 0.0 if kind.startswith("exp_nonpos") else float(np.log(fi.max))
     rng = np.random.default_rng(7)
-    # the float32 table exp (x <= 0) reduces by ln2/16: its n flips there
-    step = np.log(2) / (16 if kind == "exp_nonpos" and dtype == np.float32 else 1)
+    # the table exps (x <= 0) reduce by ln2/16: their n flips there
+    step = np.log(2) / (16 if kind == "exp_nonpos" else 1)
     ln2 = np.arange(np.ceil(lo / step), np.floor(hi / step) + 1) * step
     ln2_half = ln2 + 0.5 * step
     x = np.concatenate([np.linspace(lo, hi, n), rng.uniform(lo, hi, n // 4),
@@ -151,5 +152,8 @@ def test_lanes_exp_nonpos_bits_equal_scalar(dtype, wide):
     if _AVX512:
         asm = fn.inspect_asm(fn.signatures[0])
         assert "vscalef" in asm and "vpslld" not in asm and "vpsllq" not in asm
-        if dtype == np.float32:     # the table exp's lookup: one permute per vector
+        # the table exp's lookup: one permute per vector (where the width has one)
+        if dtype == np.float32:
             assert "vpermps" in asm or "vpermi2ps" in asm or "vpermt2ps" in asm
+        elif wide:
+            assert "vpermi2pd" in asm or "vpermt2pd" in asm
