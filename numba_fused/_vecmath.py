@@ -201,23 +201,22 @@ _scale64_nonpos_16ths = _scale_shifted_intrinsic(types.float64, 64, 1023, _MAGIC
                                                  steps=4)
 
 
-def _exp2_16ths_exact(dtype, low=False):
-    """2**(j/16), j = 0..15, each correctly rounded to ``dtype`` (low: float64's
-    rounding error, rounded)."""
+def _exp2_16ths_tables():
+    """(float32, float64, float64 low part) tables of 2**(j/16), j = 0..15, from
+    60-digit values: float64 correctly rounded, float32 rounded from it (the same
+    16 values as rounding exactly), the low part what float64 left off, rounded."""
     import decimal
     with decimal.localcontext() as ctx:
         ctx.prec = 60
         exact = [decimal.Decimal(2) ** (decimal.Decimal(j) / 16) for j in range(16)]
-        if low:
-            return [float(v - decimal.Decimal(float(v))) for v in exact]
-        return [float(dtype(float(v))) for v in exact]
+        f64 = [float(v) for v in exact]
+        low = [float(v - decimal.Decimal(h)) for v, h in zip(exact, f64)]
+    return [float(np.float32(h)) for h in f64], f64, low
 
 
-#: 2**(j/16), j = 0..15, each rounded to float32 / float64 (the table exps')
-EXP2_16THS = _exp2_16ths_exact(np.float32)
-EXP2_16THS_F64 = _exp2_16ths_exact(np.float64)
-#: what float64 rounding left off EXP2_16THS_F64, rounded to float64
-EXP2_16THS_F64_LO = _exp2_16ths_exact(np.float64, low=True)
+#: 2**(j/16), j = 0..15, rounded to float32 / float64 (the table exps'), and what
+#: float64's rounding left off (EXP2_16THS_F64_LO)
+EXP2_16THS, EXP2_16THS_F64, EXP2_16THS_F64_LO = _exp2_16ths_tables()
 #: the permute that reads a 16-entry table, by (bits, lanes a vector): one table
 #: register (index bits 0-3) or two halves (bit 3 picks the half)
 _PERMUTE_16 = {(32, 16): ("llvm.x86.avx512.permvar.sf.512", False),      # vpermps
